@@ -1,0 +1,128 @@
+"""YAML recipes with dotted `key=value` overrides, validated against a dataclass schema.
+
+An entry script declares its recipe as a (possibly nested) dataclass; `load_recipe` reads the YAML
+file, applies command-line overrides, and builds the dataclass, failing on any unknown key (with
+the list of valid keys and the closest match), any missing required key, and any value of the
+wrong type. This module knows nothing about targets, drafters or training.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class RecipeError(ValueError):
+    pass
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of keys to values, got {type(raw).__name__}")
+    for override in overrides:
+        apply_override(raw, override)
+    return build(schema, raw, where=str(path))
+
+
+def apply_override(raw: dict, override: str) -> None:
+    # "train.lr=3e-4" -> raw["train"]["lr"] = 3e-4; the value is parsed as YAML ("[2, 4]", "null").
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override {override!r} must look like key=value (dotted keys for sections: train.lr=1e-4)")
+    *sections, leaf = key.strip().split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"override {override!r}: {section!r} is a value, not a section")
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"override {override!r}: value is not valid YAML: {err}") from None
+
+
+def build(schema: type[T], raw: dict, where: str) -> T:
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    unknown = [key for key in raw if key not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RecipeError(
+            f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, field in fields.items():
+        key = f"{where}:{name}"
+        if name in raw:
+            values[name] = coerce(hints[name], raw[name], key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            if dataclasses.is_dataclass(hints[name]):
+                values[name] = build(hints[name], {}, key)
+            else:
+                raise RecipeError(f"{where}: required key {name!r} is missing")
+    return schema(**values)
+
+
+def coerce(annotation: Any, value: Any, key: str) -> Any:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}: expected a section (mapping), got {value!r}")
+        return build(annotation, value, key)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return coerce(option, value, key)
+            except RecipeError as err:
+                errors.append(str(err))
+        raise RecipeError(f"{key}: {value!r} fits none of {annotation}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise RecipeError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{key}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return origin(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is Any:
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" as a string; accept it as the float the user meant
+            return float(value)
+        except ValueError:
+            pass
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+        raise RecipeError(f"{key}: expected {annotation.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def to_dict(recipe: Any) -> dict:
+    """The recipe as plain data (for checkpoints, metrics files and resume checks)."""
+    return dataclasses.asdict(recipe)

@@ -1,0 +1,69 @@
+import dataclasses
+from typing import Literal
+
+import pytest
+
+from drafters.recipe import RecipeError, load_recipe
+
+
+@dataclasses.dataclass
+class Optim:
+    lr: float = 1e-4
+    betas: tuple[float, ...] = (0.9, 0.95)
+
+
+@dataclasses.dataclass
+class Schema:
+    target: str
+    layers: list[int] | None = None
+    mode: Literal["online", "offline"] = "online"
+    steps: int = 10
+    optim: Optim = dataclasses.field(default_factory=Optim)
+
+
+def write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_nested_values_overrides_and_coercion(tmp_path):
+    path = write(tmp_path, "# python train/x.py r.yaml\ntarget: tiny-random-llama\noptim:\n  lr: 3e-4\n")
+    recipe = load_recipe(path, ["steps=5", "optim.betas=[0.8, 0.9]", "layers=[2, 4, 5]"], schema=Schema)
+    assert recipe == Schema(target="tiny-random-llama", layers=[2, 4, 5], steps=5, optim=Optim(3e-4, (0.8, 0.9)))
+    assert isinstance(recipe.optim.lr, float)
+
+
+def test_unknown_key_lists_valid_keys_and_suggests(tmp_path):
+    path = write(tmp_path, "target: t\nstpes: 3\n")
+    with pytest.raises(RecipeError, match=r"unknown key 'stpes' \(did you mean 'steps'\?\); valid keys: layers, mode, optim, steps, target"):
+        load_recipe(path, schema=Schema)
+
+
+def test_unknown_nested_override_names_the_section(tmp_path):
+    path = write(tmp_path, "target: t\n")
+    with pytest.raises(RecipeError, match=r"r.yaml:optim: unknown key 'rl' \(did you mean 'lr'\?\); valid keys: betas, lr"):
+        load_recipe(path, ["optim.rl=1"], schema=Schema)
+
+
+@pytest.mark.parametrize(
+    "text, overrides, message",
+    [
+        ("steps: 3\n", [], "required key 'target' is missing"),
+        ("target: t\nsteps: three\n", [], r"r.yaml:steps: expected int, got 'three'"),
+        ("target: t\nsteps: true\n", [], r"expected int, got True"),
+        ("target: t\nmode: offlien\n", [], r"'offlien' is not one of 'online', 'offline'"),
+        ("target: t\noptim: 3\n", [], r"r.yaml:optim: expected a section"),
+        ("target: t\n", ["steps"], r"must look like key=value"),
+        ("- a\n- b\n", [], r"must be a mapping"),
+        ("target: [unclosed\n", [], r"not valid YAML"),
+    ],
+)
+def test_bad_recipes_fail_with_the_key(tmp_path, text, overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write(tmp_path, text), overrides, schema=Schema)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml", schema=Schema)
