@@ -1,0 +1,309 @@
+"""Draft trees: the typed data a proposer hands to the decoder, and the ways to build them.
+
+Node 0 is the root (the pending token); every other node is a draft token whose parent has a
+smaller index (topological order). Three ways to build one:
+  - `Tree.chain(tokens)`                      a single path (prompt lookup, a draft model, Medusa top-1);
+  - `TreeShape.from_paths(paths)` + `build_static_tree`  Medusa / EAGLE-1 sparse trees of top-k ranks;
+  - `build_dynamic_tree`                      EAGLE-2: expand by cumulative draft log-prob, rerank to a budget.
+`parse_tree_spec` reads the CLI grammar (`chain:K`, `static:eagle1`, `dynamic:total=60,...`).
+
+This module knows nothing about models: the proposer's `expand` callback runs its own drafter, and
+the decoder alone talks to the target. Node budgets (`chain:K`, `total`) exclude the root.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+# EAGLE-1 default tree (SafeAILab/EAGLE, eagle/model/choices.py `mc_sim_7b_63`): 25 draft nodes, depth 5.
+EAGLE1_PATHS = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]  # fmt: skip
+# Medusa-1 default tree (FasterDecoding/Medusa, medusa_choices.py `mc_sim_7b_63`): 63 draft nodes, depth 4.
+MEDUSA_PATHS = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
+    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
+    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
+    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
+    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
+    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
+NAMED_SHAPES = {"eagle1": EAGLE1_PATHS, "medusa": MEDUSA_PATHS}
+
+
+@dataclass(frozen=True, eq=False)
+class Tree:
+    tokens: Tensor  # (N,) long, node 0 = root = pending token
+    parents: Tensor  # (N,) long, parents[0] = -1, parents[i] < i
+    # (N, V) row i = the draft distribution node i was drawn from (row 0 unused); siblings are drawn
+    # without replacement in child order (row i may already exclude earlier siblings' tokens).
+    # None = deterministic drafts (top-k, lookups): verified as one-hot proposals.
+    draft_probs: Tensor | None = None
+
+    def __post_init__(self):
+        n = self.tokens.numel()
+        if self.tokens.ndim != 1 or self.parents.shape != self.tokens.shape or n == 0:
+            raise ValueError(f"Tree: tokens and parents must be 1-D of the same length >= 1, got "
+                             f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+        parents = self.parent_list
+        if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i > 0):
+            raise ValueError(f"Tree: parents must be -1 for the root and p < i for node i (topological), got {parents}")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise ValueError(f"Tree: draft_probs needs one row per node ({n}, V), row 0 unused; "
+                             f"got {tuple(self.draft_probs.shape)}")
+        if self.draft_probs is not None and self._repeated_siblings():
+            raise ValueError("Tree: sampled siblings must have distinct tokens: draw them without replacement "
+                             "(drafters.sampling.sample_without_replacement), as the verifier assumes")
+
+    def _repeated_siblings(self) -> bool:
+        tokens = self.tokens.tolist()
+        return any(len({tokens[c] for c in kids}) < len(kids) for kids in self.children)
+
+    @staticmethod
+    def chain(tokens: Tensor, draft_probs: Tensor | None = None) -> "Tree":
+        # tokens (K+1,) = [root, d_1, ..., d_K]; draft_probs (K+1, V) with row 0 unused, or None
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        parents = torch.arange(-1, tokens.numel() - 1, device=tokens.device)
+        return Tree(tokens, parents, draft_probs)
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+    @cached_property
+    def depth_list(self) -> list[int]:
+        depths = [0] * self.num_nodes
+        for i, p in enumerate(self.parent_list[1:], start=1):
+            depths[i] = depths[p] + 1
+        return depths
+
+    @cached_property
+    def depths(self) -> Tensor:  # (N,) long; position offset of each node from the root
+        return torch.tensor(self.depth_list, device=self.tokens.device)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth_list)
+
+    @cached_property
+    def ancestor_mask(self) -> Tensor:  # (N, N) bool, row i: ancestors of i and i itself
+        mask = torch.eye(self.num_nodes, dtype=torch.bool)
+        for i, p in enumerate(self.parent_list[1:], start=1):
+            mask[i] |= mask[p]  # parents come first, so row p is already complete
+        return mask.to(self.tokens.device)
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        kids = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parent_list[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    @cached_property
+    def paths(self) -> list[list[int]]:  # root-to-leaf node indices, one per leaf
+        return [self.path_to(i) for i in range(self.num_nodes) if not self.children[i]]
+
+    def path_to(self, node: int) -> list[int]:
+        path = [node]
+        while path[-1] != 0:
+            path.append(self.parent_list[path[-1]])
+        return path[::-1]
+
+
+# ---------------------------------------------------------------- static trees (top-k rank paths)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    paths: tuple[tuple[int, ...], ...]  # sorted by (depth, ranks); node i+1 <-> paths[i], node 0 = root
+    parents: tuple[int, ...]  # (N,) parent node of each node, -1 for the root
+    ranks: tuple[int, ...]  # (N,) rank of each node among the candidates of its parent; -1 for the root
+
+    @staticmethod
+    def from_paths(paths) -> "TreeShape":
+        paths = [tuple(p) for p in paths]
+        _check_paths(paths)
+        paths = sorted(paths, key=lambda p: (len(p), p))
+        node_of = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+        parents = (-1,) + tuple(node_of[p[:-1]] for p in paths)
+        ranks = (-1,) + tuple(p[-1] for p in paths)
+        return TreeShape(tuple(paths), parents, ranks)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return (0,) + tuple(len(p) for p in self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depths[-1]
+
+    def fill(self, root_token: int, candidates: Tensor) -> Tree:
+        # candidates (N, K) long: row i = ranked candidate tokens for the children of node i
+        tokens = [int(root_token)] + [int(candidates[p, r]) for p, r in zip(self.parents[1:], self.ranks[1:])]
+        device = candidates.device
+        return Tree(torch.tensor(tokens, device=device), torch.tensor(self.parents, device=device))
+
+
+def _check_paths(paths: list[tuple[int, ...]]) -> None:
+    if not paths:
+        raise ValueError("tree shape: empty path list; give e.g. [[0], [1], [0, 0]]")
+    seen = set()
+    for p in paths:
+        if not p or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in p):
+            raise ValueError(f"tree shape: path {list(p)} must be a non-empty list of ranks >= 0")
+        if p in seen:
+            raise ValueError(f"tree shape: duplicate path {list(p)}")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"tree shape: path {list(p)} needs its prefix {list(p[:-1])} in the list too")
+
+
+@dataclass(frozen=True)
+class Frontier:
+    depth: int  # depth of these nodes (root = 0)
+    nodes: Tensor  # (F,) ids of the nodes to expand, in the candidate pool built so far
+    tokens: Tensor  # (F,) their tokens
+    pool_parents: Tensor  # (M,) parent id of every pool node so far (-1 for the root): gives ancestor masks
+    pool_tokens: Tensor  # (M,) token of every pool node so far
+
+
+Expand = Callable[[Frontier], Tensor]  # Frontier -> (F, V) draft log-probs (or any scores: higher = better)
+
+
+def build_static_tree(shape: TreeShape, root_token: int, expand: Expand) -> Tree:
+    # Level by level (nodes are sorted by depth): expand the nodes of depth d that have children,
+    # give each child of rank r its parent's r-th best token. Pool ids are the shape's node ids.
+    tokens, candidates = [int(root_token)], {}
+    for d in range(shape.max_depth):
+        nodes = sorted({p for p, depth in zip(shape.parents, shape.depths) if depth == d + 1})
+        pool = torch.tensor(tokens)
+        scores = expand(Frontier(d, torch.tensor(nodes), pool[nodes], torch.tensor(shape.parents[: len(tokens)]), pool))
+        k = 1 + max(r for p, r in zip(shape.parents, shape.ranks) if p in nodes)
+        candidates |= dict(zip(nodes, scores.topk(k, dim=-1).indices.tolist()))  # node -> ranked tokens
+        tokens += [candidates[shape.parents[i]][shape.ranks[i]] for i in range(len(tokens), shape.num_nodes)
+                   if shape.depths[i] == d + 1]
+    device = scores.device
+    return Tree(torch.tensor(tokens, device=device), torch.tensor(shape.parents, device=device))
+
+
+# ---------------------------------------------------------------- dynamic trees (EAGLE-2)
+
+
+def build_dynamic_tree(root_token: int, expand: Expand, *, depth: int, topk: int, total: int) -> Tree:
+    # Expansion: at each depth, every frontier node proposes its topk children, scored by
+    # cumulative log-prob (parent score + child log-prob); the topk best new nodes form the next
+    # frontier. Rerank: keep the `total` best nodes of the whole pool (root excluded). Child log-probs
+    # are clamped to <= 0, so a child never outscores its parent; ties go to the lower pool id and
+    # parents have lower ids than their children, so the kept set always contains its ancestors.
+    pool_tokens, pool_parents = [int(root_token)], [-1]
+    scores = torch.zeros(1)  # (M,) cumulative log-prob of each pool node
+    frontier, device = [0], None
+    for d in range(depth):
+        logp = expand(Frontier(d, torch.tensor(frontier), torch.tensor(pool_tokens)[frontier],
+                               torch.tensor(pool_parents), torch.tensor(pool_tokens)))  # (F, V)
+        device = logp.device
+        if torch.isnan(logp).any():
+            raise ValueError(f"build_dynamic_tree: expand returned NaN log-probs at depth {d}")
+        top = logp.float().clamp(max=0).topk(min(topk, logp.shape[-1]), dim=-1)  # (F, k)
+        child_scores = (scores[frontier, None] + top.values.cpu()).flatten()  # (F*k,)
+        first_new = len(pool_tokens)
+        pool_parents += [p for p in frontier for _ in range(top.indices.shape[1])]
+        pool_tokens += top.indices.flatten().tolist()
+        scores = torch.cat([scores, child_scores])
+        order = torch.sort(child_scores, descending=True, stable=True).indices[:topk]  # ties: lower id first
+        frontier = (order + first_new).tolist()
+    return _rerank(pool_tokens, pool_parents, scores, total, device)
+
+
+def _rerank(pool_tokens, pool_parents, scores: Tensor, total: int, device) -> Tree:
+    order = torch.sort(scores[1:], descending=True, stable=True).indices[:total] + 1
+    keep = [0] + sorted(order.tolist())  # pool order is topological (levels are appended in order)
+    new_id = {old: new for new, old in enumerate(keep)}
+    if any(pool_parents[i] not in new_id for i in keep[1:]):  # cannot happen, see build_dynamic_tree
+        raise AssertionError("build_dynamic_tree: a kept node lost its parent; scores must not increase along a path")
+    tokens = torch.tensor([pool_tokens[i] for i in keep], device=device)
+    parents = torch.tensor([-1] + [new_id[pool_parents[i]] for i in keep[1:]], device=device)
+    return Tree(tokens, parents)
+
+
+# ---------------------------------------------------------------- CLI specs
+
+TREE_SPEC_GRAMMAR = """tree spec grammar:
+  chain:K                               a chain of K draft tokens (K >= 1)
+  static:eagle1 | static:medusa         named sparse trees (25 / 63 draft nodes)
+  static:PATHS.json | static:[[0],[1],[0,0]]   top-k rank paths from a JSON file or inline
+  dynamic:total=60,depth=6,topk=10      EAGLE-2 dynamic tree (total draft nodes, root excluded)"""
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    length: int
+
+
+@dataclass(frozen=True)
+class StaticSpec:
+    shape: TreeShape
+    name: str
+
+
+@dataclass(frozen=True)
+class DynamicSpec:
+    total: int = 60
+    depth: int = 6
+    topk: int = 10
+
+
+TreeSpec = ChainSpec | StaticSpec | DynamicSpec
+
+
+def parse_tree_spec(spec: str) -> TreeSpec:
+    kind, _, arg = spec.strip().partition(":")
+    try:
+        if kind == "chain" and re.fullmatch(r"\d+", arg) and int(arg) >= 1:
+            return ChainSpec(int(arg))
+        if kind == "static" and arg:
+            return StaticSpec(TreeShape.from_paths(_load_paths(arg)), arg)
+        if kind == "dynamic":
+            return _parse_dynamic(arg)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"bad tree spec {spec!r}: {e}\n{TREE_SPEC_GRAMMAR}") from e
+    raise ValueError(f"bad tree spec {spec!r}\n{TREE_SPEC_GRAMMAR}")
+
+
+def _load_paths(arg: str):
+    if arg in NAMED_SHAPES:
+        return NAMED_SHAPES[arg]
+    if arg.lstrip().startswith("["):
+        return json.loads(arg)
+    if arg.endswith(".json"):
+        if not Path(arg).is_file():
+            raise ValueError(f"no such paths file {arg}")
+        return json.loads(Path(arg).read_text())
+    raise ValueError(f"unknown static tree {arg!r}: use {' / '.join(NAMED_SHAPES)}, a .json file or inline JSON")
+
+
+def _parse_dynamic(arg: str) -> DynamicSpec:
+    fields = {}
+    for item in filter(None, arg.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in ("total", "depth", "topk") or not eq or not re.fullmatch(r"\d+", value) or int(value) < 1:
+            raise ValueError(f"bad field {item!r}: expected total=N, depth=N or topk=N with N >= 1")
+        fields[key] = int(value)
+    return DynamicSpec(**fields)
