@@ -1,0 +1,337 @@
+"""EAGLE-3 drafter: fused target features -> one decoder layer -> reduced-vocabulary logits,
+trained with the training-time test (TTT) unroll, drafted step by step with its own KV cache.
+
+Knows nothing about the target model, datasets or decoding trees: callers hand it the fused
+target features, the target's frozen token embedding module (`embed`, never a parameter of the
+drafter), the target logits that serve as labels, and for tree drafting a 4D mask and positions.
+Module names are those of SGLang / the official EAGLE-3 checkpoints (`fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`), so export is a rename at most.
+
+Alignment (DESIGN.md): the drafter at position t sees feature_t and token_{t+1} and predicts
+token_{t+2}. Its label is the target's row t+1 (the target's logits at t+1 predict token t+2).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from drafters.draft_vocab import DraftVocab
+from drafters.losses import draft_vocab_targets, soft_cross_entropy
+from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    max_position_embeddings: int  # the target's: a smaller value collapses acceptance in engines
+    aux_layers: list[int] = field(default_factory=list)  # HF hidden_states indices, low to high
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # the target's rope parameters other than rope_theta
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target_config(cls, config, draft_vocab_size: int, layers=None) -> "Eagle3Config":
+        cfg = config.get_text_config()
+        num_layers = cfg.num_hidden_layers
+        layers = default_eagle3_layers(num_layers) if layers is None else list(layers)
+        if len(set(layers)) != len(layers) or not all(0 <= i <= num_layers for i in layers):
+            raise ValueError(f"EAGLE-3 aux layers {layers}: want distinct HF hidden_states indices "
+                             f"in [0, {num_layers}] for this {num_layers}-layer target")
+        if not 0 < draft_vocab_size <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, target vocab "
+                             f"{cfg.vocab_size}]")
+        rope = dict(cfg.rope_parameters)  # transformers 5.x keeps theta and scaling here
+        rope = dict(rope.get("full_attention", rope))  # Gemma-3: per layer type; drafter = full
+        rope_theta = rope.pop("rope_theta")
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            aux_layers=layers,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        """The drafter's layer as a LlamaConfig (transformers' RoPE and MLP read it)."""
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
+            num_key_value_heads=self.num_key_value_heads, num_hidden_layers=1,
+            vocab_size=self.vocab_size, max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps, rope_parameters=rope, hidden_act=self.hidden_act)
+
+
+def fuse_features(hidden_states, layers) -> Tensor:
+    """hidden_states: HF tuple or {HF index: (B, T, h)} -> (B, T, n*h), layers low to high."""
+    return torch.cat([hidden_states[layer] for layer in layers], dim=-1)
+
+
+class Eagle3Attention(nn.Module):
+    """GQA attention whose q/k/v read the 2h-wide cat(embed, hidden); keys/values are explicit."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        shape = (*x.shape[:2], -1, self.head_dim)  # x (B, T, 2h)
+        q = self.q_proj(x).view(shape).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(shape).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(shape).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        # softmax(q k^T / sqrt(D) where mask else -inf) v; mask (T, S) or (B, 1, T, S), True = see
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))  # (B, T, h)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mlp = LlamaMLP(c.llama_config())
+
+    def forward(self, embeds, hidden, cos, sin, past, mask):
+        """embeds, hidden (B, T, h); past = (keys, values) (B, Hkv, S, D) or None; mask over the
+        S + T keys [past; new]. -> (output hidden (B, T, h), new (keys, values) (B, Hkv, T, D))."""
+        residual = hidden  # the residual is the UN-normed hidden input
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B,T,2h)
+        q, k, v = self.self_attn.project(x, cos, sin)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2),
+                                                    torch.cat([past[1], v], 2))
+        hidden = residual + self.self_attn.attend(q, keys, values, mask)
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, (k, v)
+
+
+# ---- training-time test: which inputs, labels and keys step i uses --------------------------
+
+def shift_left(x: Tensor, n: int) -> Tensor:
+    """x (B, T, ...) -> y with y[:, t] = x[:, t+n], zeros past the end."""
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
+
+
+def ttt_input_ids(input_ids: Tensor, step: int) -> Tensor:
+    # step i at position t reads token_{t+1+i} (the target's sequence, teacher-forced tokens)
+    return shift_left(input_ids, 1 + step)  # (B, T); positions past the end read id 0 (no label)
+
+
+# Labels of step i exist for positions t = 0 .. T-2-i (later positions have no target row).
+# Step i at t has read token_{t+1+i} and predicts token_{t+2+i}; the target's logits at row t+1+i
+# are its distribution over token t+2+i, so label[:, t] = target row t+1+i. The label counts iff
+# token t+2+i is supervised: loss_mask[t+2+i] (drafters.data: loss_mask[s] = 1 iff token s is a
+# token to learn), 0 past the end of the row.
+
+def ttt_label_rows(target_rows: Tensor, step: int) -> Tensor:
+    return target_rows[:, 1 + step:]  # (B, T, ...) -> (B, T-1-i, ...), row t = target row t+1+i
+
+
+def ttt_label_mask(loss_mask: Tensor, step: int) -> Tensor:
+    num_rows = loss_mask.shape[1] - 1 - step
+    return shift_left(loss_mask, 2 + step)[:, :num_rows]  # (B, T-1-i), t -> loss_mask[t+2+i]
+
+
+def ttt_attention_mask(seq_len: int, step: int, device=None) -> Tensor:
+    """(T, (i+1)T) bool over the keys [step 0 | step 1 | ... | step i], each block T positions.
+    Query (step i, t) sees step-0 keys at positions <= t (causal) and, of each step j in 1..i,
+    only the key at its own position t (diagonal): exactly what drafting with a KV cache sees."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+@dataclass
+class TTTOutput:
+    loss: Tensor  # () sum_i weight^i * loss_i
+    step_losses: Tensor  # (K,)
+    step_accuracies: Tensor  # (K,)
+    step_counts: Tensor  # (K,) positions counted in each step's loss
+    step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, Vd) at positions t = 0 .. T-2-i
+
+
+@dataclass
+class Eagle3Cache:
+    """KV cache of the single decoder layer. A slot is an index into it; keys carry RoPE of the
+    position they were computed at (slot == position along a chain, not inside a tree)."""
+    keys: Tensor | None = None  # (B, Hkv, S, D)
+    values: Tensor | None = None  # (B, Hkv, S, D)
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def past(self):
+        return None if self.keys is None else (self.keys, self.values)
+
+    def append(self, keys: Tensor, values: Tensor) -> None:
+        past = self.past()
+        self.keys = keys if past is None else torch.cat([past[0], keys], 2)
+        self.values = values if past is None else torch.cat([past[1], values], 2)
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def select(self, slots: Tensor) -> None:
+        """Keep cache slots `slots` (S',) in that order (compaction after tree verification)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, slots], self.values[:, :, slots]
+
+
+class Eagle3Drafter(nn.Module):
+    """The four verbs (SpecForge v0.1): embed ids (the caller's `embed`: the target's frozen
+    embedding), project hidden states (`fc`), backbone (`midlayer`), compute logits."""
+
+    def __init__(self, config: Eagle3Config, draft_vocab: DraftVocab | None = None):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.aux_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(c)
+        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())  # buffers not saved
+        # Without a vocab the buffers hold the lowest draft_vocab_size ids until set_draft_vocab()
+        # or load_state_dict() fills them.
+        vocab = draft_vocab or DraftVocab.from_used(torch.arange(c.draft_vocab_size), c.vocab_size)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.set_draft_vocab(vocab)
+
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        if (vocab.size, vocab.target_vocab_size) != (self.d2t.numel(), self.t2d.numel()):
+            raise ValueError(f"draft vocab is {vocab.size} of {vocab.target_vocab_size} ids, the "
+                             f"config wants {self.d2t.numel()} of {self.t2d.numel()}")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    @property
+    def draft_vocab(self) -> DraftVocab:
+        return DraftVocab(d2t=self.d2t, t2d=self.t2d)
+
+    @torch.no_grad()
+    def init_from_target(self, lm_head_weight: Tensor, draft_vocab: DraftVocab | None = None):
+        """lm_head rows <- the target LM head's rows (V, h) of the draft vocab's ids."""
+        if draft_vocab is not None:
+            self.set_draft_vocab(draft_vocab)
+        self.lm_head.weight.copy_(lm_head_weight[self.draft_vocab.used.to(lm_head_weight.device)])
+
+    def project_hidden_states(self, features: Tensor) -> Tensor:
+        return self.fc(features)  # (B, T, n*h) -> (B, T, h)
+
+    @staticmethod
+    def embed_ids(embed, input_ids: Tensor) -> Tensor:
+        with torch.no_grad():  # the target's embedding stays frozen even if the caller forgot
+            return embed(input_ids)  # (B, T) -> (B, T, h)
+
+    def backbone(self, embeds, hidden, positions, past, mask):
+        cos, sin = self.rotary_emb(hidden, positions)  # positions (B or 1, T)
+        return self.midlayer(embeds, hidden, cos, sin, past, mask)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))  # (B, T, h) -> (B, T, Vd)
+
+    def ttt_forward(self, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
+                    step_weight: float = 0.8, normalize: str = "positions",
+                    return_logits: bool = False) -> TTTOutput:
+        """Training-time test. All inputs are aligned with the sequence the target read (rows
+        right-padded, nothing pre-shifted): features (B, T, n*h) fused at positions t; input_ids
+        (B, T); target_logits (B, T, V); loss_mask (B, T), loss_mask[s] = 1 iff token s is learnt.
+        normalize: "positions" = each step's loss sums over counted positions / (B*T), DESIGN's
+        "averaged over all positions" (official trainer, SpecForge); "counted" = mean over them.
+        return_logits keeps each step's draft logits in the output (tests; costs memory)."""
+        if normalize not in ("positions", "counted"):
+            raise ValueError(f"normalize={normalize!r}: use 'positions' or 'counted'")
+        batch, seq_len = input_ids.shape
+        positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
+        hidden = self.project_hidden_states(features)  # step-0 hidden input (B, T, h)
+        # per target row: (B, T, Vd) renormalised target probs, (B, T) argmax in vocab, its draft id
+        targets = draft_vocab_targets(target_logits, self.t2d, self.config.draft_vocab_size)
+        keys, values, metrics, step_logits = [], [], [], []
+        for step in range(steps):
+            # step i: hidden input = own output of step i-1 at t (fc(F) at i = 0), token_{t+1+i},
+            # RoPE position t+i; keys [step 0 .. step i] under ttt_attention_mask
+            embeds = self.embed_ids(embed, ttt_input_ids(input_ids, step))  # (B, T, h)
+            past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+            mask = ttt_attention_mask(seq_len, step, input_ids.device)  # (T, (i+1)T)
+            hidden, (k, v) = self.backbone(embeds, hidden, positions + step, past, mask)
+            keys.append(k)
+            values.append(v)
+            labels = [ttt_label_rows(rows, step) for rows in targets]
+            label_mask = ttt_label_mask(loss_mask, step)  # (B, T-1-i)
+            logits = self.compute_logits(hidden[:, :label_mask.shape[1]])  # (B, T-1-i, Vd)
+            num_positions = batch * seq_len if normalize == "positions" else None
+            loss, accuracy, count = soft_cross_entropy(logits, *labels, label_mask,
+                                                       num_positions=num_positions)
+            metrics.append((loss, accuracy, count))
+            step_logits += [logits] if return_logits else []
+        step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
+        weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
+        return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
+                         step_accuracies=step_accuracies, step_counts=step_counts,
+                         step_logits=step_logits)
+
+    # ---- inference: the same computation one step at a time with a real KV cache -------------
+
+    def prefill(self, features, input_ids, embed, cache: Eagle3Cache, positions=None):
+        """Append step-0 inputs: features (B, T, n*h) at cache slots S..S+T-1 (S = len(cache))
+        and input_ids (B, T) with input_ids[:, t] = the token following feature t. Causal.
+        -> (hidden (B, T, h) pre-norm outputs, logits (B, T, Vd)); row t, at position S+t,
+        drafts token S+t+2."""
+        return self._extend(self.project_hidden_states(features), input_ids, embed, cache,
+                            positions, mask=None)
+
+    def step(self, hidden, input_ids, embed, cache: Eagle3Cache, positions=None, mask=None):
+        """Draft on own outputs: hidden (B, q, h) = output hidden of each node's parent,
+        input_ids (B, q) the nodes' tokens (target ids), positions (B, q) = parent's + 1,
+        mask (B, 1, q, S+q) bool over [cache; new] (default causal: a chain)."""
+        return self._extend(hidden, input_ids, embed, cache, positions, mask)
+
+    def _extend(self, hidden, input_ids, embed, cache, positions, mask):
+        past_len, new_len = len(cache), input_ids.shape[1]
+        if positions is None:
+            positions = torch.arange(past_len, past_len + new_len, device=input_ids.device)[None]
+        if mask is None:  # query j sees slots <= past_len + j
+            mask = torch.ones(new_len, past_len + new_len, dtype=torch.bool,
+                              device=input_ids.device).tril(past_len)
+        embeds = self.embed_ids(embed, input_ids)  # (B, q, h)
+        hidden, (k, v) = self.backbone(embeds, hidden, positions, cache.past(), mask)
+        cache.append(k, v)
+        return hidden, self.compute_logits(hidden)
+
+    def topk_tokens(self, logits: Tensor, k: int = 1) -> tuple[Tensor, Tensor]:
+        """logits (..., Vd) -> (log-probs (..., k), TARGET ids (..., k)) via target = d + d2t[d]."""
+        logprobs, draft_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return logprobs, draft_ids + self.d2t[draft_ids]

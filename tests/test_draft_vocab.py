@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from drafters.draft_vocab import DraftVocab, DraftVocabError, build_draft_vocab, count_tokens
+
+
+def test_counts_only_loss_masked_tokens():
+    examples = [([5, 6, 7, 7], [0, 1, 1, 1]), (torch.tensor([5, 5, 9]), torch.tensor([1, 1, 0]))]
+    counts = count_tokens(examples, 10)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 2, 1, 2, 0, 0]
+
+
+def test_top_n_ties_by_lower_id_sorted_ascending():
+    counts = torch.tensor([0, 3, 5, 3, 0, 3, 9, 0])
+    vocab = build_draft_vocab(counts, 8, size=4)
+    # 6 (9), 2 (5), then the three ids with count 3 -> the lower two: 1, 3
+    assert vocab.used.tolist() == [1, 2, 3, 6]
+    assert vocab.d2t.dtype == torch.int64 and vocab.t2d.dtype == torch.bool
+    assert vocab.d2t.tolist() == [1, 1, 1, 3]  # used[i] - i
+
+
+def test_fills_with_lowest_unseen_ids_to_exact_size():
+    vocab = build_draft_vocab([([7, 7, 4], [1, 1, 1])], 10, size=5)
+    assert vocab.size == 5 and int(vocab.t2d.sum()) == 5
+    assert vocab.used.tolist() == [0, 1, 2, 4, 7]
+
+
+def test_size_capped_at_target_vocab():
+    vocab = build_draft_vocab(torch.arange(6), 6, size=32000)
+    assert vocab.size == 6 and vocab.d2t.tolist() == [0] * 6
+
+
+def test_round_trip_and_out_of_vocab():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (4, 50))
+    vocab = build_draft_vocab([(row, torch.ones_like(row)) for row in ids], 300, size=64)
+    assert vocab.size == 64 and int(vocab.t2d.sum()) == 64
+    assert bool((vocab.used[1:] > vocab.used[:-1]).all())
+    draft_ids = torch.arange(64)
+    target_ids = vocab.to_target(draft_ids)
+    assert torch.equal(target_ids, vocab.used) and bool(vocab.t2d[target_ids].all())
+    back, in_vocab = vocab.to_draft(target_ids)
+    assert torch.equal(back, draft_ids) and bool(in_vocab.all())
+    outside = (~vocab.t2d).nonzero().squeeze(-1)
+    _, in_vocab = vocab.to_draft(outside)
+    assert not bool(in_vocab.any())
+
+
+def test_state_dict_round_trip_and_validation():
+    vocab = DraftVocab.from_used(torch.tensor([3, 0, 8]), 10)
+    loaded = DraftVocab.from_state_dict(vocab.state_dict(), draft_vocab_size=3, target_vocab_size=10)
+    assert torch.equal(loaded.d2t, vocab.d2t) and torch.equal(loaded.t2d, vocab.t2d)
+    with pytest.raises(DraftVocabError, match="draft_vocab_size"):
+        DraftVocab.from_state_dict(vocab.state_dict(), draft_vocab_size=4)
+    with pytest.raises(DraftVocabError, match="target vocab"):
+        DraftVocab.from_state_dict(vocab.state_dict(), target_vocab_size=11)
+    with pytest.raises(DraftVocabError, match="t2d"):
+        DraftVocab.from_state_dict({"d2t": vocab.d2t})
+    wrong_t2d = vocab.t2d.clone()
+    wrong_t2d[3], wrong_t2d[4] = False, True  # same count, different ids
+    with pytest.raises(DraftVocabError, match="disagree"):
+        DraftVocab.from_state_dict({"d2t": vocab.d2t, "t2d": wrong_t2d})
+    with pytest.raises(DraftVocabError, match="marks"):
+        DraftVocab.from_state_dict({"d2t": vocab.d2t, "t2d": torch.ones(10, dtype=torch.bool)})
+    with pytest.raises(DraftVocabError, match="ascending"):
+        DraftVocab.from_state_dict({"d2t": torch.tensor([3, -3, 6]), "t2d": vocab.t2d})
+
+
+def test_bad_examples_fail_loudly():
+    with pytest.raises(DraftVocabError, match="example 1: token id outside"):
+        count_tokens([([1, 2], [1, 1]), ([1, 12], [1, 1])], 10)
+    with pytest.raises(DraftVocabError, match="example 0: input_ids has 2"):
+        count_tokens([([1, 2], [1, 1, 1])], 10)

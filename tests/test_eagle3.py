@@ -1,0 +1,294 @@
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import drafters.eagle3 as eagle3
+from drafters.draft_vocab import build_draft_vocab
+from drafters.eagle3 import (
+    Eagle3Cache,
+    Eagle3Config,
+    Eagle3Drafter,
+    fuse_features,
+    ttt_input_ids,
+    ttt_label_mask,
+    ttt_label_rows,
+)
+from drafters.losses import soft_cross_entropy_draft_vocab
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}],
+]
+
+
+def chat_batch(tokenizer):
+    """Right-padded ChatML rows; loss mask on the assistant reply and its <|im_end|>."""
+    rows, masks = [], []
+    for messages in CONVERSATIONS:
+        prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True,
+                                               tokenize=False)
+        reply = messages[1]["content"] + "<|im_end|>"
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        rows.append(prompt_ids + reply_ids)
+        masks.append([0] * len(prompt_ids) + [1] * len(reply_ids))
+    seq_len = max(len(row) for row in rows)
+    input_ids = torch.tensor([row + [0] * (seq_len - len(row)) for row in rows])
+    loss_mask = torch.tensor([mask + [0] * (seq_len - len(mask)) for mask in masks])
+    return input_ids, loss_mask
+
+
+def target_inputs(model, tokenizer, layers):
+    input_ids, loss_mask = chat_batch(tokenizer)
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=(input_ids != 0).long(), output_hidden_states=True)
+    return fuse_features(out.hidden_states, layers), input_ids, out.logits, loss_mask
+
+
+def make_drafter(model, input_ids, loss_mask, draft_vocab_size=64, seed=0):
+    config = Eagle3Config.from_target_config(model.config, draft_vocab_size)
+    vocab = build_draft_vocab([(input_ids, loss_mask)], config.vocab_size, draft_vocab_size)
+    torch.manual_seed(seed)
+    return Eagle3Drafter(config, vocab)
+
+
+def decode_reference(drafter, features, input_ids, embed, t, steps):
+    """Draft from position t as the decoder does: prefill step-0 inputs (feature_s, token_{s+1})
+    for s = 0..t into a KV cache, then feed the drafter's own output hidden back, one step at a
+    time, with token_{t+1+i} (the tokens TTT teacher-forces) at RoPE position t+i."""
+    cache = Eagle3Cache()
+    hidden, logits = drafter.prefill(features[:, :t + 1], input_ids[:, 1:t + 2], embed, cache)
+    step_logits, hidden = [logits[:, t]], hidden[:, t:t + 1]
+    for i in range(1, steps):
+        positions = torch.tensor([[t + i]])
+        hidden, logits = drafter.step(hidden, input_ids[:, t + 1 + i:t + 2 + i], embed, cache,
+                                      positions=positions)
+        step_logits.append(logits[:, 0])
+    assert len(cache) == t + steps
+    return step_logits  # step i: (B, Vd)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
+def setup(request):
+    model, tokenizer = request.getfixturevalue(request.param)
+    config = Eagle3Config.from_target_config(model.config, 64)
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, config.aux_layers)
+    drafter = make_drafter(model, input_ids, loss_mask)
+    return model, drafter, features, input_ids, logits, loss_mask
+
+
+STEPS = 4
+
+
+def test_ttt_equals_step_by_step_decoding_with_kv_cache(setup):
+    model, drafter, features, input_ids, logits, loss_mask = setup
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=STEPS,
+                                  return_logits=True)
+        seq_len = input_ids.shape[1]
+        for t in (0, 3, seq_len // 2, seq_len - 1 - STEPS):
+            reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
+            for i in range(STEPS):
+                torch.testing.assert_close(out.step_logits[i][:, t], reference[i],
+                                           atol=1e-5, rtol=0)
+
+
+def full_causal_mask(seq_len, step, device=None):  # WRONG: sees every earlier step's keys <= t
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return torch.cat([causal] * (step + 1), dim=1)
+
+
+def latest_step_only_mask(seq_len, step, device=None):  # WRONG: forgets steps 1..i-1
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    blocks = [causal] + [torch.zeros_like(causal)] * (step - 1) + [torch.eye(seq_len).bool()]
+    return torch.cat(blocks[:step + 1], dim=1)
+
+
+@pytest.mark.parametrize("wrong_mask", [full_causal_mask, latest_step_only_mask])
+def test_decoding_comparison_catches_a_wrong_ttt_mask(setup, wrong_mask, monkeypatch):
+    model, drafter, features, input_ids, logits, loss_mask = setup
+    embed = model.get_input_embeddings()
+    monkeypatch.setattr(eagle3, "ttt_attention_mask", wrong_mask)
+    t = input_ids.shape[1] // 2
+    with torch.no_grad():
+        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=STEPS,
+                                  return_logits=True)
+        reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
+    torch.testing.assert_close(out.step_logits[0][:, t], reference[0], atol=1e-5, rtol=0)
+    # step 2: the full-causal mask is wrong from step 1 on, the latest-step-only one from step 2
+    assert (out.step_logits[2][:, t] - reference[2]).abs().max() > 1e-3
+
+
+def test_label_and_input_alignment_on_a_hand_made_sequence():
+    batch, seq_len, vocab = 1, 8, 16
+    target_logits = torch.eye(vocab)[:seq_len][None] * 10  # row r peaks at id r
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]])
+    input_ids = torch.arange(100, 100 + seq_len)[None]  # token s = 100 + s
+    for step in range(3):
+        labels, label_mask = ttt_label_rows(target_logits, step), ttt_label_mask(loss_mask, step)
+        assert labels.shape == (batch, seq_len - 1 - step, vocab)
+        for t in range(seq_len - 1 - step):
+            assert int(labels[0, t].argmax()) == t + 1 + step  # target row t+1+i
+            expected = int(loss_mask[0, t + 2 + step]) if t + 2 + step < seq_len else 0
+            assert int(label_mask[0, t]) == expected  # token t+2+i is supervised
+        tokens = ttt_input_ids(input_ids, step)[0]
+        assert tokens[: seq_len - 1 - step].tolist() == list(range(101 + step, 100 + seq_len))
+
+
+@pytest.mark.parametrize("normalize", ["positions", "counted"])
+def test_ttt_losses_equal_hand_aligned_decoding_losses(tiny_llama, normalize):
+    # End to end: TTT step losses == soft CE of the decode path's logits at (i, t) against the
+    # target row t+1+i, masked by loss_mask[t+2+i], normalised as documented.
+    model, tokenizer = tiny_llama
+    config = Eagle3Config.from_target_config(model.config, 64)
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, config.aux_layers)
+    drafter = make_drafter(model, input_ids, loss_mask)
+    embed, (batch, seq_len), steps = model.get_input_embeddings(), input_ids.shape, 3
+    with torch.no_grad():
+        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=steps,
+                                  normalize=normalize, return_logits=True)
+        totals, counts = torch.zeros(steps), torch.zeros(steps)
+        for t in range(seq_len - 2):
+            steps_with_label = min(steps, seq_len - 2 - t)  # token t+2+i must exist
+            reference = decode_reference(drafter, features, input_ids, embed, t, steps_with_label)
+            for i in range(steps_with_label):
+                row = logits[:, t + 1 + i]  # (B, V)
+                _, _, count = soft_cross_entropy_draft_vocab(
+                    reference[i][:, None], row[:, None], drafter.t2d, loss_mask[:, None, t + 2 + i])
+                loss_sum, _, _ = soft_cross_entropy_draft_vocab(
+                    reference[i][:, None], row[:, None], drafter.t2d, loss_mask[:, None, t + 2 + i],
+                    num_positions=1)
+                totals[i] += loss_sum
+                counts[i] += count
+    expected = totals / (batch * seq_len) if normalize == "positions" else totals / counts
+    torch.testing.assert_close(out.step_losses, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_counts.float(), counts)
+    weights = torch.tensor([1.0, 0.8, 0.64])
+    torch.testing.assert_close(out.loss, (weights * expected).sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunks_and_crop_match_one_prefill(tiny_llama):
+    model, tokenizer = tiny_llama
+    config = Eagle3Config.from_target_config(model.config, 64)
+    features, input_ids, _, loss_mask = target_inputs(model, tokenizer, config.aux_layers)
+    drafter, embed = make_drafter(model, input_ids, loss_mask), model.get_input_embeddings()
+    next_ids, seq_len = input_ids[:, 1:], input_ids.shape[1] - 1
+    with torch.no_grad():
+        _, whole = drafter.prefill(features[:, :seq_len], next_ids, embed, Eagle3Cache())
+        cache = Eagle3Cache()
+        drafter.prefill(features[:, :5], next_ids[:, :5], embed, cache)
+        drafter.prefill(features[:, 5:9], next_ids[:, 5:9], embed, cache)  # 4 rejected drafts
+        cache.crop(5)
+        _, rest = drafter.prefill(features[:, 5:seq_len], next_ids[:, 5:], embed, cache)
+    torch.testing.assert_close(rest, whole[:, 5:], atol=1e-5, rtol=0)
+
+
+def test_topk_tokens_map_through_d2t(setup):
+    model, drafter, *_ = setup
+    logits = torch.full((2, 64), -5.0)
+    logits[0, 3], logits[1, 63] = 5.0, 5.0
+    _, target_ids = drafter.topk_tokens(logits, k=1)
+    assert target_ids[:, 0].tolist() == drafter.draft_vocab.used[[3, 63]].tolist()
+
+
+def test_soft_ce_matches_hand_computation():
+    t2d = torch.tensor([True, False, True, True, False])  # draft vocab = target ids 0, 2, 3
+    target = torch.tensor([[[2.0, 0.0, 1.0, -1.0, 0.5],   # argmax 0: counted
+                            [0.0, 3.0, 1.0, 0.0, 0.0],    # argmax 1 (out of vocab): masked
+                            [0.0, 0.0, 0.5, 2.0, 0.0],    # argmax 3: counted
+                            [0.0, 0.0, 4.0, 0.0, 0.0]]])  # loss_mask 0: masked
+    draft = torch.tensor([[[0.5, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 1.0]]])
+    loss_mask = torch.tensor([[1, 1, 1, 0]])
+
+    def ce(target_row, draft_row):  # -sum_d p_d log q_d, p renormalised over ids 0, 2, 3
+        p = torch.softmax(torch.tensor([target_row[0], target_row[2], target_row[3]]), 0)
+        return -(p * torch.log_softmax(draft_row, 0)).sum()
+
+    expected_sum = ce(target[0, 0], draft[0, 0]) + ce(target[0, 2], draft[0, 2])
+    loss, accuracy, count = soft_cross_entropy_draft_vocab(draft, target, t2d, loss_mask)
+    assert int(count) == 2
+    torch.testing.assert_close(loss, expected_sum / 2)
+    # position 0: draft argmax 1 -> target id 2 != 0 (wrong); position 2: 1 -> 2 != 3 (wrong)
+    assert float(accuracy) == 0.0
+    draft[0, 2] = torch.tensor([0.0, 0.0, 3.0])  # draft id 2 -> target id 3 == argmax: right
+    _, accuracy, _ = soft_cross_entropy_draft_vocab(draft, target, t2d, loss_mask)
+    assert float(accuracy) == 0.5
+    loss_all, _, _ = soft_cross_entropy_draft_vocab(draft, target, t2d, loss_mask, num_positions=4)
+    expected_sum = ce(target[0, 0], draft[0, 0]) + ce(target[0, 2], draft[0, 2])
+    torch.testing.assert_close(loss_all, expected_sum / 4)
+
+
+# Produced once by printing `losses` in the test below (tiny-random-llama, seed 0, draft vocab 64,
+# K=3, AdamW lr 3e-3, 6 steps; torch 2.13.0 CPU, transformers 5.23, 1 thread).
+GOLDEN = [0.997812032699585, 0.9923856854438782, 0.9768880605697632, 0.9694072604179382,
+          0.9666265249252319, 0.9661418199539185]
+
+
+def test_training_reproduces_golden_losses_and_leaves_target_untouched(tiny_llama):
+    model, tokenizer = tiny_llama
+    config = Eagle3Config.from_target_config(model.config, 64)
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, config.aux_layers)
+    drafter = make_drafter(model, input_ids, loss_mask, seed=0)
+    embed = model.get_input_embeddings()
+    target_before = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=3)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(out.loss.item())
+    assert losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(GOLDEN), rtol=1e-4, atol=0)
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, target_before[name]), f"target tensor {name} changed"
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p is not embed.weight and p.data_ptr() != embed.weight.data_ptr()
+               for p in drafter.parameters())
+    assert not any("embed" in key for key in drafter.state_dict())
+
+
+def test_state_dict_names_are_the_serving_names(setup):
+    _, drafter, *_ = setup
+    assert set(drafter.state_dict()) == {
+        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+        *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+        *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm",
+                                           "post_attention_layernorm")),
+    }
+    h = drafter.config.hidden_size
+    assert drafter.midlayer.self_attn.q_proj.weight.shape[1] == 2 * h
+    assert drafter.fc.weight.shape == (h, 3 * h)
+    assert drafter.lm_head.weight.shape == (64, h)
+
+
+def test_init_from_target_copies_draft_vocab_rows(setup):
+    model, drafter, *_ = setup
+    drafter = Eagle3Drafter(drafter.config, drafter.draft_vocab)
+    drafter.init_from_target(model.get_output_embeddings().weight)
+    used = drafter.draft_vocab.used
+    assert torch.equal(drafter.lm_head.weight, model.get_output_embeddings().weight[used])
+
+
+def test_config_from_targets(tiny_llama, tiny_gemma3):
+    gemma = Eagle3Config.from_target_config(tiny_gemma3[0].config, 32)
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.head_dim == 16
+    assert gemma.rope_theta == 1e6 and gemma.rope_scaling is None  # full-attention layers' rope
+    assert gemma.aux_layers == [2, 4, 5] and gemma.max_position_embeddings == 1024
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    target = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                         max_position_embeddings=512, rope_parameters=rope)
+    config = Eagle3Config.from_target_config(target, 100, layers=[1, 3, 6])
+    assert config.rope_theta == 5e5 and config.rope_scaling["rope_type"] == "llama3"
+    assert config.head_dim == 16 and config.aux_layers == [1, 3, 6]
+    drafter = Eagle3Drafter(config)
+    assert drafter.rotary_emb.rope_type == "llama3"
+    with pytest.raises(ValueError, match="aux layers"):
+        Eagle3Config.from_target_config(target, 100, layers=[2, 2, 5])
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        Eagle3Config.from_target_config(target, 101)
