@@ -1,0 +1,122 @@
+"""The native drafter checkpoint, shared by every drafter family.
+
+A checkpoint is a directory:
+
+    drafter.json        {"format": "drafters/1", "family": "eagle3" | "eagle1" | "medusa" | ...,
+                         "config": {family config}, "target": {what the drafter was built for},
+                         "extra": {recipe, step, metrics, ...}}
+    model.safetensors   the drafter's own tensors only (never the target's embedding or LM head
+                        unless the family trains its own copy), plus buffers such as d2t / t2d
+
+It is written atomically: into a temporary sibling directory, then renamed over the destination,
+so a crash or a full disk never leaves a half-written checkpoint where a reader looks. This module
+knows nothing about the families: it stores their config dicts and state dicts as given.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "drafters/1"
+CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
+# What a drafter must agree on with the target it runs against (see `check_target`).
+TARGET_FIELDS = ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    family: str
+    config: dict
+    target: dict
+    extra: dict
+    state_dict: dict[str, torch.Tensor]
+
+
+def target_info(target) -> dict:
+    """What a checkpoint records about its target (a drafters `Target`)."""
+    config = target.config.get_text_config()
+    return {
+        "name": target.name,
+        "model_type": config.model_type,
+        "architectures": list(getattr(target.config, "architectures", None) or []),
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+
+
+def save_checkpoint(path, *, family: str, config: dict, target: dict, state_dict: dict,
+                    extra: dict | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        # safetensors wants contiguous tensors that share no storage
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": FORMAT, "family": family})
+        meta = {"format": FORMAT, "family": family, "config": config, "target": target, "extra": extra or {}}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        _fsync_dir(tmp)
+        if path.exists():  # replace: move the old one aside first so a reader never sees neither
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_checkpoint(path, *, family: str | None = None) -> Checkpoint:
+    path = Path(path)
+    meta_path = path / CONFIG_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: not a drafters checkpoint (no {CONFIG_FILE}); pass the directory "
+                              "a training run wrote, e.g. runs/<name>/checkpoint-final")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({err}); the checkpoint is corrupt") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, this version reads {FORMAT!r}")
+    for key in ("family", "config", "target"):
+        if key not in meta:
+            raise CheckpointError(f"{meta_path}: missing field {key!r}; the checkpoint is corrupt")
+    if family is not None and meta["family"] != family:
+        raise CheckpointError(f"{path}: a {meta['family']!r} checkpoint, expected {family!r}")
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{path}: {WEIGHTS_FILE} is missing; the checkpoint is incomplete")
+    return Checkpoint(path, meta["family"], meta["config"], meta["target"], meta.get("extra", {}),
+                      load_file(weights))
+
+
+def check_target(checkpoint: Checkpoint, target) -> None:
+    """Refuse to run a drafter against a target it was not built for (silent acceptance collapse)."""
+    have = target_info(target)
+    wrong = [f"{k}: checkpoint {checkpoint.target.get(k)} vs target {have[k]}"
+             for k in TARGET_FIELDS if checkpoint.target.get(k) != have[k]]
+    if wrong:
+        raise CheckpointError(f"{checkpoint.path} was trained for target {checkpoint.target.get('name')!r}, "
+                              f"which does not match {target.name!r}: " + "; ".join(wrong))
+
+
+def _fsync_dir(path: Path) -> None:
+    for file in path.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
