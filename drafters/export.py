@@ -1,0 +1,302 @@
+"""Export a native drafter checkpoint in the layouts serving engines load.
+
+    sglang  SGLang / official EAGLE-3 / SpecForge: config.json (LlamaForCausalLMEagle3) +
+            model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d
+    vllm    vLLM speculators: config.json (speculators_model_type eagle3) + model.safetensors
+            with layers.0.* instead of midlayer.*
+    native  a validated copy of the drafters checkpoint (any family)
+
+Knows nothing about training, targets' weights or decoding. It refuses, before anything lands in
+the output directory, every export an engine would load and then run with collapsed acceptance,
+writes into a temporary sibling directory, has `drafters.export_check` (an independent reader)
+reload the files and compare draft logits with the source checkpoint, and only then renames the
+directory into place.
+
+What the engines do with these files (read in sglang python/sglang/srt/models/llama_eagle3.py and
+llama.py, vllm model_executor/models/llama_eagle3.py and llama.py, vllm
+transformers_utils/configs/speculators/algos.py, speculators models/eagle3):
+- Layer ids. Inside this project: Hugging Face hidden_states indices (k = output of layer k-1).
+  SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and captures the input of decoder
+  layer id+1 (`set_eagle3_layers_to_capture`: `val + 1`), so it wants HF index - 1. vLLM reads a
+  top-level `eagle_aux_hidden_state_layer_ids` and captures the input of decoder layer id
+  (`if idx in self.aux_hidden_state_layers`), so it wants the HF index itself. Engines only
+  capture inputs of layers 0..L-1: HF index L (final-normed) cannot be served.
+- vLLM's speculators reader sets `norm_before_residual = config.get(..., True)`: a missing key
+  silently switches the residual to the normed hidden. Ours is on the un-normed h: False.
+- SGLang without `draft_vocab_size` swaps our lm_head for the target's full one; with
+  `tie_word_embeddings: true` it uses the embedding as lm_head. Without d2t both engines map
+  draft id i to target id i. All three are silent; all are written explicitly.
+- Both engines hard-code fc = Linear(3 * target_hidden_size, hidden_size): exactly 3 aux layers.
+- Neither needs an embedding: SGLang always shares the target's (`set_embed`), vLLM shares it
+  when the checkpoint has no `embed_tokens.weight`.
+"""
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from drafters.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    check_target,
+    load_checkpoint,
+    save_checkpoint,
+    target_info,
+)
+from drafters.draft_vocab import DraftVocab, DraftVocabError
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+FORMATS = ("sglang", "vllm", "native")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
+SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+class ExportError(ValueError):
+    pass
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    fmt: str
+    dtype: str
+    files: list[str]
+    config: dict  # what was written to the config file
+    check: object = None  # drafters.export_check.CheckReport
+
+
+def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
+                      speculative_tokens: int = 3, verifier: str | None = None,
+                      overwrite: bool = False) -> ExportResult:
+    """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
+    from drafters.export_check import check_export  # the independent reader
+
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if speculative_tokens < 1:
+        raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose "
+                          "another --out")
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    expected = preflight(ckpt, fmt, target)
+    state = cast_floats(ckpt.state_dict, DTYPES[dtype])
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
+    try:
+        payload = staging / "export"
+        config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
+                        verifier or expected["name"])
+        report = check_export(payload, fmt, target=expected, reference=ckpt)
+        _move_into_place(payload, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
+                        files=sorted(p.name for p in out_dir.iterdir()))
+
+
+# ---- refusals: everything here runs before a byte is written ---------------------------------
+
+def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
+    """-> the target facts to export against (target_info fields). Raises ExportError."""
+    if ckpt.family != "eagle3" and fmt != "native":
+        raise ExportError(f"export of a {ckpt.family} checkpoint to {fmt} is not supported; use "
+                          f"--format {ckpt.family}/native")
+    if target is not None:
+        try:
+            check_target(ckpt, target)
+        except CheckpointError as err:
+            raise ExportError(str(err)) from None
+    expected = target_info(target) if target is not None else dict(ckpt.target)
+    if ckpt.family != "eagle3":
+        return expected
+    missing = [k for k in ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+               if not isinstance(expected.get(k), int)]
+    if missing:
+        raise ExportError(f"{ckpt.path}: the checkpoint's target info lacks {missing}, so the "
+                          "export cannot be checked against its target; pass --target NAME")
+    config = _eagle3_config(ckpt)
+    problems = _target_problems(config, expected, fmt) + _weight_problems(ckpt, config)
+    if problems:
+        raise ExportError(f"refusing to export {ckpt.path} to {fmt}: an engine would load it and "
+                          "lose acceptance silently:\n  - " + "\n  - ".join(problems))
+    return expected
+
+
+def _eagle3_config(ckpt: Checkpoint) -> Eagle3Config:
+    try:
+        return Eagle3Config(**ckpt.config)
+    except TypeError as err:
+        raise ExportError(f"{ckpt.path}: config is not an Eagle3Config ({err}); was it written "
+                          "by another version of drafters?") from None
+
+
+def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
+    problems = []
+    for key in ("max_position_embeddings", "vocab_size", "hidden_size"):
+        if getattr(c, key) != t[key]:
+            problems.append(f"{key}: drafter config {getattr(c, key)} != target {t[key]} "
+                            f"({t.get('name')!r})")
+    num_layers = t["num_layers"]
+    low, high = (0, num_layers) if fmt == "native" else (1, num_layers - 1)
+    bad = [i for i in c.aux_layers if not low <= i <= high]
+    if bad:
+        problems.append(f"aux layers {c.aux_layers} (HF hidden_states indices): {bad} outside "
+                        f"[{low}, {high}] for the {num_layers}-layer target"
+                        + ("" if fmt == "native" else "; engines capture only the inputs of "
+                           "decoder layers 1..L-1"))
+    if sorted(set(c.aux_layers)) != list(c.aux_layers):
+        problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, "
+                        "high), the order fc was trained on")
+    if fmt != "native" and len(c.aux_layers) != ENGINE_AUX_LAYERS:
+        problems.append(f"{len(c.aux_layers)} aux layers: SGLang and vLLM build fc for exactly "
+                        f"{ENGINE_AUX_LAYERS}")
+    return problems
+
+
+def _weight_problems(ckpt: Checkpoint, c: Eagle3Config) -> list[str]:
+    state = ckpt.state_dict
+    missing = [k for k in ("d2t", "t2d") if k not in state]
+    if missing:
+        return [f"no {' / '.join(missing)} tensor: engines would map draft id i to target id i"]
+    problems = []
+    try:
+        DraftVocab.from_state_dict(state, source=str(ckpt.path),
+                                   draft_vocab_size=c.draft_vocab_size,
+                                   target_vocab_size=c.vocab_size)
+    except DraftVocabError as err:
+        problems.append(str(err))
+    drafter = Eagle3Drafter(c)
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        problems.append(f"the state dict does not fit its config: {err}")
+    return problems
+
+
+# ---- writers ----------------------------------------------------------------------------------
+
+def cast_floats(state: dict, dtype: torch.dtype) -> dict:
+    # d2t (int64) and t2d (bool) keep their dtypes
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _write(fmt, ckpt, state, payload: Path, expected, dtype, speculative_tokens, verifier) -> dict:
+    if fmt == "native":
+        save_checkpoint(payload, family=ckpt.family, config=ckpt.config, target=ckpt.target,
+                        state_dict=state, extra=ckpt.extra)
+        return json.loads((payload / "drafter.json").read_text())
+    c = Eagle3Config(**ckpt.config)
+    if fmt == "sglang":
+        config, tensors = sglang_config(c, dtype), state
+    else:
+        config = vllm_config(c, dtype, speculative_tokens, verifier,
+                             expected.get("architectures") or [])
+        tensors = {_vllm_name(k): v for k, v in state.items()}
+    payload.mkdir()
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})
+    (payload / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
+def _vllm_name(key: str) -> str:
+    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+
+
+def llama_layer_fields(c: Eagle3Config, dtype: str) -> dict:
+    """The one decoder layer as Llama config fields. rope_theta / rope_scaling are the legacy
+    keys: transformers 4.x (what the engines pin) reads them and 5.x converts them."""
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "vocab_size": c.vocab_size,  # the target's: embedding and t2d size
+        "max_position_embeddings": c.max_position_embeddings,  # the target's
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,  # True makes SGLang use the embedding as lm_head
+        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+    }
+
+
+def sglang_config(c: Eagle3Config, dtype: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **llama_layer_fields(c, dtype),
+        "draft_vocab_size": c.draft_vocab_size,  # absent: SGLang uses the target's lm_head
+        "target_hidden_size": c.hidden_size,  # fc in_features = 3 * this
+        "eagle_config": {
+            # SGLang captures the input of layer id + 1: "output of layer" ids = HF index - 1
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers],
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: str,
+                verifier_architectures: list[str]) -> dict:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": llama_layer_fields(c, dtype),
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": False,  # residual on the un-normed h; vLLM defaults to True
+        "target_hidden_size": c.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # vLLM: HF index as is
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+    }
+
+
+# ---- atomic placement ---------------------------------------------------------------------------
+
+def _parent(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.parent
+
+
+def _move_into_place(payload: Path, out_dir: Path) -> None:
+    if out_dir.exists():  # --overwrite: move the old one aside so a reader never sees neither
+        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
+        out_dir.rename(old)
+        payload.rename(out_dir)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        payload.rename(out_dir)
+
+
+def describe(result: ExportResult) -> str:
+    lines = [f"wrote {result.fmt} export ({result.dtype}) to {result.path}:"]
+    lines += [f"  {name}" for name in result.files]
+    if result.check is not None:
+        lines.append(result.check.summary())
+    return "\n".join(lines)

@@ -1,0 +1,375 @@
+"""Independent reader for exported EAGLE-3 drafters (sglang / vllm / native layouts).
+
+It reloads an export directory as the documented formats describe it (DESIGN.md "Export
+formats", and what SGLang's llama_eagle3.py / vLLM's speculators reader actually read), checks
+every config field and its type, every tensor name, shape (derived from the config alone) and
+dtype, and that nothing unexpected is there; then it rebuilds an `Eagle3Drafter` from the files by
+its own name mapping and compares draft logits with the source checkpoint on fixed random inputs.
+
+It deliberately shares no key table, name mapping or helper with `drafters.export`: a bug in the
+writer must not be able to hide itself here. It knows nothing about how the files were written.
+"""
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter
+
+
+class ExportCheckError(ValueError):
+    pass
+
+
+@dataclass
+class CheckReport:
+    path: Path
+    fmt: str
+    family: str
+    aux_layers_hf: list[int] | None  # as read back, converted to HF hidden_states indices
+    engine_layer_ids: list[int] | None  # as written for the engine
+    float_dtype: str | None
+    num_tensors: int
+    max_logit_diff: float | None  # vs the source with weights rounded to the export dtype
+    max_logit_diff_vs_source: float | None  # vs the unrounded source (bf16 rounding shows here)
+
+    def summary(self) -> str:
+        lines = [f"validation ({self.fmt}, {self.family}): {self.num_tensors} tensors, "
+                 f"floats {self.float_dtype}: config, names, shapes, dtypes OK"]
+        if self.aux_layers_hf is not None:
+            lines.append(f"  aux layers: HF hidden_states {self.aux_layers_hf} -> written "
+                         f"{self.engine_layer_ids}")
+        if self.max_logit_diff is not None:
+            lines.append(f"  rebuilt drafter == source: max |logit diff| {self.max_logit_diff:.2e}"
+                         f" (vs unrounded source {self.max_logit_diff_vs_source:.2e})")
+        return "\n".join(lines)
+
+
+def check_export(path, fmt: str, *, target: dict | None = None,
+                 reference: Checkpoint | None = None, seed: int = 0) -> CheckReport:
+    """target: target facts (num_layers, hidden_size, vocab_size, max_position_embeddings) the
+    export must agree with; reference: the source checkpoint whose draft logits must be matched."""
+    path = Path(path)
+    if fmt == "native":
+        return _check_native(path, target, reference, seed)
+    if fmt not in READERS:
+        raise ExportCheckError(f"unknown export format {fmt!r}: sglang, vllm or native")
+    config = _read_json(path / "config.json")
+    geometry, aux_hf, written = READERS[fmt](config, path / "config.json")
+    tensors = _read_tensors(path / "model.safetensors")
+    prefix = {"sglang": "midlayer.", "vllm": "layers.0."}[fmt]
+    float_dtype = _check_tensors(tensors, geometry, len(aux_hf), prefix, path,
+                                 config_dtype=geometry.pop("torch_dtype"))
+    if target is not None:
+        _check_against_target(geometry, aux_hf, target, path, engine=True)
+    rebuilt_config = Eagle3Config(**geometry, aux_layers=aux_hf)
+    module_state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v
+                    for k, v in tensors.items()}
+    diffs = _compare(rebuilt_config, module_state, reference, path, seed, float_dtype)
+    return CheckReport(path, fmt, "eagle3", aux_hf, written, str(float_dtype), len(tensors),
+                       *diffs)
+
+
+# ---- config readers: -> (Eagle3Config fields but aux_layers, aux layers as HF indices, as written)
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise ExportCheckError(f"{file} is missing")
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ExportCheckError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ExportCheckError(f"{file}: want a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _get(config: dict, key: str, kind, where: str, *, equals=None):
+    if key not in config:
+        raise ExportCheckError(f"{where}: required field {key!r} is missing")
+    value = config[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int in Python: an int field must not be a bool and vice versa
+    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        names = "/".join(k.__name__ if k is not type(None) else "null" for k in kinds)
+        raise ExportCheckError(f"{where}: field {key!r} = {value!r} should be {names}")
+    if equals is not None and value != equals:
+        raise ExportCheckError(f"{where}: field {key!r} = {value!r}, the format requires "
+                               f"{equals!r}")
+    return value
+
+
+def _int_list(config: dict, key: str, where: str) -> list[int]:
+    value = _get(config, key, list, where)
+    if not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ExportCheckError(f"{where}: {key!r} = {value!r} should be a non-empty int list")
+    return value
+
+
+def _layer_geometry(config: dict, where: str) -> dict:
+    """Fields of the one Llama decoder layer (top level for sglang, transformer_layer_config for
+    vllm) as Eagle3Config keyword arguments."""
+    _get(config, "model_type", str, where, equals="llama")
+    _get(config, "num_hidden_layers", int, where, equals=1)
+    _get(config, "tie_word_embeddings", bool, where, equals=False)
+    rope_scaling = _get(config, "rope_scaling", (dict, type(None)), where)
+    geometry = {key: _get(config, key, int, where) for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "max_position_embeddings")}
+    geometry.update(
+        rms_norm_eps=_get(config, "rms_norm_eps", float, where),
+        rope_theta=float(_get(config, "rope_theta", (int, float), where)),
+        rope_scaling=rope_scaling,
+        hidden_act=_get(config, "hidden_act", str, where),
+        torch_dtype=_get(config, "torch_dtype", str, where),
+    )
+    for flag in ("attention_bias", "mlp_bias"):  # our layer has no biases
+        if config.get(flag, False) is not False:
+            raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter has none")
+    return geometry
+
+
+def _read_sglang(config: dict, where) -> tuple[dict, list[int], list[int]]:
+    where = str(where)
+    _get(config, "architectures", list, where, equals=["LlamaForCausalLMEagle3"])
+    geometry = _layer_geometry(config, where)
+    geometry["draft_vocab_size"] = _get(config, "draft_vocab_size", int, where)
+    if "target_hidden_size" in config:  # optional for SGLang; fc in_features = 3 * it
+        _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+    eagle = _get(config, "eagle_config", dict, where)
+    _get(eagle, "use_aux_hidden_state", bool, f"{where} eagle_config", equals=True)
+    ids = _int_list(eagle, "eagle_aux_hidden_state_layer_ids", f"{where} eagle_config")
+    # SGLang "output of layer" ids: it captures the input of layer id+1 = HF index id+1
+    return geometry, [i + 1 for i in ids], ids
+
+
+def _read_vllm(config: dict, where) -> tuple[dict, list[int], list[int]]:
+    where = str(where)
+    _get(config, "architectures", list, where, equals=["Eagle3Speculator"])
+    _get(config, "speculators_model_type", str, where, equals="eagle3")
+    _get(config, "speculators_version", str, where)
+    layer = _get(config, "transformer_layer_config", dict, where)
+    geometry = _layer_geometry(layer, f"{where} transformer_layer_config")
+    geometry["draft_vocab_size"] = _get(config, "draft_vocab_size", int, where)
+    # vLLM defaults a missing norm_before_residual to True; this drafter's residual is the
+    # un-normed hidden input, i.e. False
+    _get(config, "norm_before_residual", bool, where, equals=False)
+    _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+    ids = _int_list(config, "eagle_aux_hidden_state_layer_ids", where)
+    _check_speculators_config(_get(config, "speculators_config", dict, where),
+                              f"{where} speculators_config")
+    return geometry, list(ids), ids  # vLLM captures the input of layer id = HF index id
+
+
+def _check_speculators_config(spec: dict, where: str) -> None:
+    _get(spec, "algorithm", str, where, equals="eagle3")
+    methods = _get(spec, "proposal_methods", list, where)
+    if not methods or not all(isinstance(m, dict) for m in methods):
+        raise ExportCheckError(f"{where}: proposal_methods must be a non-empty list of objects")
+    for i, method in enumerate(methods):
+        _get(method, "proposal_type", str, f"{where} proposal_methods[{i}]")
+        tokens = _get(method, "speculative_tokens", int, f"{where} proposal_methods[{i}]")
+        if tokens < 1:
+            raise ExportCheckError(f"{where} proposal_methods[{i}]: speculative_tokens={tokens}")
+    _get(methods[0], "proposal_type", str, f"{where} proposal_methods[0]", equals="greedy")
+    default = _get(spec, "default_proposal_method", str, where)
+    if default not in [m["proposal_type"] for m in methods]:
+        raise ExportCheckError(f"{where}: default_proposal_method {default!r} is none of the "
+                               "proposal_methods")
+    verifier = _get(spec, "verifier", dict, where)
+    _get(verifier, "name_or_path", str, f"{where} verifier")
+    archs = _get(verifier, "architectures", list, f"{where} verifier")
+    if not all(isinstance(a, str) for a in archs):
+        raise ExportCheckError(f"{where} verifier: architectures must be strings, got {archs}")
+
+
+READERS = {"sglang": _read_sglang, "vllm": _read_vllm}
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise ExportCheckError(f"{file} is missing")
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def expected_shapes(g: dict, num_aux: int, layer: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor an EAGLE-3 export holds, shaped from the config alone. No embedding."""
+    h, d = g["hidden_size"], g["head_dim"]
+    heads, kv = g["num_attention_heads"], g["num_key_value_heads"]
+    inter, vocab, draft = g["intermediate_size"], g["vocab_size"], g["draft_vocab_size"]
+    return {
+        "fc.weight": (h, num_aux * h),  # fused target features (n*h) -> h
+        f"{layer}self_attn.q_proj.weight": (heads * d, 2 * h),  # reads cat(embed, hidden)
+        f"{layer}self_attn.k_proj.weight": (kv * d, 2 * h),
+        f"{layer}self_attn.v_proj.weight": (kv * d, 2 * h),
+        f"{layer}self_attn.o_proj.weight": (h, heads * d),
+        f"{layer}mlp.gate_proj.weight": (inter, h),
+        f"{layer}mlp.up_proj.weight": (inter, h),
+        f"{layer}mlp.down_proj.weight": (h, inter),
+        f"{layer}input_layernorm.weight": (h,),
+        f"{layer}hidden_norm.weight": (h,),
+        f"{layer}post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (draft, h),
+        "d2t": (draft,),
+        "t2d": (vocab,),
+    }
+
+
+def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path,
+                   config_dtype: str | None) -> torch.dtype:
+    shapes = expected_shapes(g, num_aux, layer)
+    missing = sorted(set(shapes) - set(tensors))
+    unexpected = sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise ExportCheckError(f"{where}: tensor names do not match the format: missing "
+                               f"{missing}, unexpected {unexpected}")
+    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items()
+             if tuple(tensors[k].shape) != s]
+    if wrong:
+        raise ExportCheckError(f"{where}: wrong shapes, derived from the config: {wrong}")
+    if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
+        raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got "
+                               f"{tensors['d2t'].dtype} / {tensors['t2d'].dtype}")
+    floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if len(floats) != 1 or not floats <= set(wanted.values()):
+        raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16, "
+                               f"got {sorted(map(str, floats))}")
+    dtype = floats.pop()
+    if config_dtype is not None and wanted.get(config_dtype) != dtype:
+        raise ExportCheckError(f"{where}: config says torch_dtype {config_dtype!r} but the "
+                               f"weights are {dtype}")
+    _check_vocab_maps(tensors["d2t"], tensors["t2d"], where)
+    return dtype
+
+
+def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, where: Path) -> None:
+    # target id = draft id + d2t[draft id]; t2d marks exactly those target ids
+    n = d2t.numel()
+    if int(t2d.sum()) != n:
+        raise ExportCheckError(f"{where}: t2d marks {int(t2d.sum())} target ids, d2t has {n}")
+    target_ids = torch.arange(n) + d2t
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= t2d.numel():
+        raise ExportCheckError(f"{where}: arange + d2t leaves [0, {t2d.numel()})")
+    if bool((target_ids[1:] <= target_ids[:-1]).any()):
+        raise ExportCheckError(f"{where}: arange + d2t is not strictly ascending")
+    if not bool(t2d[target_ids].all()):
+        raise ExportCheckError(f"{where}: t2d and d2t disagree on which target ids are kept")
+
+
+def _check_against_target(g: dict, aux_hf: list[int], target: dict, where: Path, *,
+                          engine: bool) -> None:
+    for key in ("max_position_embeddings", "vocab_size", "hidden_size"):
+        if g[key] != target[key]:
+            raise ExportCheckError(f"{where}: {key} = {g[key]} but the target has "
+                                   f"{target[key]}; engines would run it with lost acceptance")
+    num_layers = target["num_layers"]
+    low, high = (1, num_layers - 1) if engine else (0, num_layers)
+    if not all(low <= i <= high for i in aux_hf):
+        raise ExportCheckError(f"{where}: aux layers (HF indices) {aux_hf} outside [{low}, "
+                               f"{high}] for the {num_layers}-layer target")
+    if engine and len(aux_hf) != 3:
+        raise ExportCheckError(f"{where}: {len(aux_hf)} aux layers; engines build fc for 3")
+
+
+# ---- native -----------------------------------------------------------------------------------
+
+def _check_native(path: Path, target, reference, seed) -> CheckReport:
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as err:
+        raise ExportCheckError(str(err)) from None
+    if ckpt.family != "eagle3":  # other families: a faithful copy is all this reader can say
+        if reference is not None:
+            _same_tensors(ckpt.state_dict, reference.state_dict, path)
+        return CheckReport(path, "native", ckpt.family, None, None, None, len(ckpt.state_dict),
+                           None, None)
+    names = {f.name for f in fields(Eagle3Config)}
+    if set(ckpt.config) != names:
+        raise ExportCheckError(f"{path}: config keys differ from Eagle3Config: missing "
+                               f"{sorted(names - set(ckpt.config))}, unexpected "
+                               f"{sorted(set(ckpt.config) - names)}")
+    geometry = {k: v for k, v in ckpt.config.items() if k != "aux_layers"}
+    aux = list(ckpt.config["aux_layers"])
+    dtype = _check_tensors(ckpt.state_dict, geometry, len(aux), "midlayer.", path, None)
+    if target is not None:
+        _check_against_target(geometry, aux, target, path, engine=False)
+    diffs = _compare(Eagle3Config(**ckpt.config), ckpt.state_dict, reference, path, seed, dtype)
+    return CheckReport(path, "native", "eagle3", aux, aux, str(dtype), len(ckpt.state_dict),
+                       *diffs)
+
+
+def _same_tensors(a: dict, b: dict, where: Path) -> None:
+    if set(a) != set(b):
+        raise ExportCheckError(f"{where}: tensor names differ from the source: "
+                               f"{sorted(set(a) ^ set(b))}")
+    bad = [k for k in a if a[k].shape != b[k].shape or not torch.equal(a[k], b[k].to(a[k].dtype))]
+    if bad:
+        raise ExportCheckError(f"{where}: tensors differ from the source: {bad}")
+
+
+# ---- rebuild and compare with the source checkpoint -------------------------------------------
+
+def _compare(config: Eagle3Config, state: dict, reference: Checkpoint | None, where: Path,
+             seed: int, dtype: torch.dtype) -> tuple[float | None, float | None]:
+    rebuilt = _drafter(config, state, where)
+    if reference is None:
+        return None, None
+    source_config = Eagle3Config(**reference.config)
+    if source_config != config:
+        diff = {f.name: (getattr(source_config, f.name), getattr(config, f.name))
+                for f in fields(Eagle3Config)
+                if getattr(source_config, f.name) != getattr(config, f.name)}
+        raise ExportCheckError(f"{where}: the config read back differs from the source "
+                               f"checkpoint's (source, export): {diff}")
+    rounded = {k: v.to(dtype) if v.is_floating_point() else v
+               for k, v in reference.state_dict.items()}
+    for key in ("d2t", "t2d"):
+        if not torch.equal(state[key], reference.state_dict[key]):
+            raise ExportCheckError(f"{where}: {key} differs from the source checkpoint")
+    got = _draft_logits(rebuilt, config, seed)
+    want = _draft_logits(_drafter(config, rounded, where), config, seed)
+    source = _draft_logits(_drafter(config, reference.state_dict, where), config, seed)
+    diff = max((g - w).abs().max().item() for g, w in zip(got, want))
+    if diff > 1e-5:
+        raise ExportCheckError(f"{where}: the drafter rebuilt from the export gives draft logits "
+                               f"up to {diff:.3g} away from the source checkpoint's (atol 1e-5)")
+    return diff, max((g - s).abs().max().item() for g, s in zip(got, source))
+
+
+def _drafter(config: Eagle3Config, state: dict, where: Path) -> Eagle3Drafter:
+    drafter = Eagle3Drafter(config)
+    try:
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                 for k, v in state.items()}, strict=True)
+    except RuntimeError as err:
+        raise ExportCheckError(f"{where}: the tensors do not load into an Eagle3Drafter: "
+                               f"{err}") from None
+    return drafter.eval()
+
+
+@torch.no_grad()
+def _draft_logits(drafter: Eagle3Drafter, c: Eagle3Config, seed: int,
+                  seq_len: int = 6) -> list[torch.Tensor]:
+    """Prefill on random fused features + token ids, then one step on the drafter's own output."""
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    embed.weight.copy_(torch.randn(c.vocab_size, c.hidden_size, generator=gen))
+    width = len(c.aux_layers) * c.hidden_size
+    features = torch.randn(1, seq_len, width, generator=gen)  # (1, T, n*h) fused target features
+    ids = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=gen)  # (1, T+1)
+    cache = Eagle3Cache()
+    hidden, prefill_logits = drafter.prefill(features, ids[:, :seq_len], embed, cache)
+    _, step_logits = drafter.step(hidden[:, -1:], ids[:, seq_len:], embed, cache)
+    return [prefill_logits, step_logits]

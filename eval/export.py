@@ -1,0 +1,57 @@
+"""Export a trained drafter checkpoint for a serving engine, then validate the export.
+
+    python eval/export.py runs/eagle3-smollm2/checkpoint-final --format sglang \
+        --out exports/sglang --target smollm2-135m-instruct --dtype bf16
+
+    sglang  SGLang / official EAGLE-3 layout (--speculative-algorithm EAGLE3
+            --speculative-draft-model-path DIR)
+    vllm    vLLM speculators layout (--speculative-config '{"model": "DIR", ...}')
+    native  a validated copy of the drafters checkpoint
+
+Nothing is written when the checkpoint would load in the engine but lose acceptance (context
+length, vocabulary or layer ids that do not match the target, missing d2t / t2d, another
+drafter family). The export is reloaded by an independent reader and its draft logits compared
+with the checkpoint's before it is moved into --out.
+"""
+
+import argparse
+import sys
+
+from drafters.checkpoint import CheckpointError
+from drafters.export import DTYPES, FORMATS, ExportError, describe, export_checkpoint
+from drafters.export_check import ExportCheckError
+from drafters.targets import TargetError, load_target
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="native drafter checkpoint directory (drafter.json)")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--target", default=None,
+                   help="load this target and validate against it (short name, HF dir, .gguf)")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--speculative-tokens", type=int, default=3,
+                   help="vllm: proposal_methods[0].speculative_tokens (vLLM's default depth)")
+    p.add_argument("--verifier", default=None,
+                   help="vllm: verifier name_or_path to record (default: the target's name)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        target = load_target(args.target) if args.target else None
+        result = export_checkpoint(args.checkpoint, args.format, args.out, target=target,
+                                   dtype=args.dtype, speculative_tokens=args.speculative_tokens,
+                                   verifier=args.verifier, overwrite=args.overwrite)
+    except (ExportError, ExportCheckError, CheckpointError, TargetError) as err:
+        print(f"export failed, nothing written to {args.out}:\n{err}", file=sys.stderr)
+        return 1
+    print(describe(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+import importlib.util
+import json
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
+from drafters.draft_vocab import build_draft_vocab
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.export import ExportError, export_checkpoint
+from drafters.export_check import ExportCheckError, check_export
+from drafters.targets import load_target
+
+_spec = importlib.util.spec_from_file_location(
+    "export_cli", Path(__file__).resolve().parents[1] / "eval" / "export.py")
+export_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(export_cli)
+main = export_cli.main
+
+DRAFT_VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("tiny-random-llama")  # 8 layers: HF aux layers [2, 4, 5]
+
+
+def save_eagle3(path, target, **config_changes):
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=DRAFT_VOCAB)
+    counts = (torch.arange(target.vocab_size) * 7919) % 101  # a non-trivial kept-id set
+    vocab = build_draft_vocab(counts, target.vocab_size, DRAFT_VOCAB)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, vocab)
+    with torch.no_grad():  # move norms off 1.0 so a swapped or dropped norm changes the logits
+        for param in drafter.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    state = drafter.state_dict()
+    config = replace(config, **config_changes)
+    return save_checkpoint(path, family="eagle3", config=asdict(config),
+                           target=target_info(target), state_dict=state)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, target):
+    return save_eagle3(tmp_path_factory.mktemp("native") / "ckpt", target)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, ckpt, target):
+    root = tmp_path_factory.mktemp("exports")
+    return {fmt: export_checkpoint(ckpt, fmt, root / fmt, target=target).path
+            for fmt in ("sglang", "vllm", "native")}
+
+
+def read_config(path):
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "native"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_round_trip(tmp_path, ckpt, target, fmt, dtype):
+    out = export_checkpoint(ckpt, fmt, tmp_path / "out", target=target, dtype=dtype).path
+    report = check_export(out, fmt, target=target_info(target), reference=load_checkpoint(ckpt))
+    assert report.max_logit_diff <= 1e-5
+    assert report.aux_layers_hf == [2, 4, 5]
+    assert report.float_dtype == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[dtype]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["out"]  # no temporary directory left behind
+
+
+def test_layer_ids_per_engine(exports, ckpt):
+    assert load_checkpoint(ckpt).config["aux_layers"] == [2, 4, 5]  # HF hidden_states indices
+    sglang = read_config(exports["sglang"])
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # HF - 1
+    assert read_config(exports["vllm"])["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # HF
+
+
+def test_engine_fields_that_fail_silently(exports, target):
+    sglang, vllm = read_config(exports["sglang"]), read_config(exports["vllm"])
+    assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (sglang["draft_vocab_size"], sglang["vocab_size"]) == (DRAFT_VOCAB, target.vocab_size)
+    assert sglang["tie_word_embeddings"] is False and sglang["num_hidden_layers"] == 1
+    assert sglang["max_position_embeddings"] == target.max_position_embeddings == 1024
+    assert vllm["norm_before_residual"] is False  # residual on the un-normed h; vLLM default True
+    assert vllm["transformer_layer_config"]["max_position_embeddings"] == 1024
+    assert vllm["speculators_config"]["proposal_methods"][0]["proposal_type"] == "greedy"
+    sglang_keys = load_file(exports["sglang"] / "model.safetensors").keys()
+    vllm_keys = load_file(exports["vllm"] / "model.safetensors").keys()
+    assert "midlayer.hidden_norm.weight" in sglang_keys
+    assert "layers.0.hidden_norm.weight" in vllm_keys
+    assert not any(k.startswith("midlayer.") for k in vllm_keys)
+    assert not any("embed_tokens" in k for k in [*sglang_keys, *vllm_keys])
+
+
+# ---- the independent reader must fail on each corruption ----------------------------------------
+
+def edit_tensors(change):
+    def edit(path):
+        tensors = load_file(path / WEIGHTS)
+        change(tensors)
+        save_file(tensors, path / WEIGHTS)
+    return edit
+
+
+def edit_config(change):
+    def edit(path):
+        config = read_config(path)
+        change(config)
+        (path / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def swap_t2d(tensors):  # same count, but a kept id moves: d2t and t2d disagree
+    t2d = tensors["t2d"]
+    kept, dropped = t2d.nonzero()[0, 0], (~t2d).nonzero()[0, 0]
+    t2d[kept], t2d[dropped] = False, True
+
+
+def swap_norms(tensors):  # shapes and dtypes stay valid: only the logits can tell
+    a, b = "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+
+
+WEIGHTS = "model.safetensors"
+CORRUPTIONS = {
+    "missing key": ("sglang", edit_tensors(lambda t: t.pop("lm_head.weight")), "missing"),
+    "unexpected embedding": ("vllm", edit_tensors(
+        lambda t: t.update({"embed_tokens.weight": torch.zeros(259, 64)})), "unexpected"),
+    "wrong shape": ("sglang", edit_tensors(
+        lambda t: t.update({"fc.weight": t["fc.weight"][:, :128].contiguous()})), "shapes"),
+    "wrong d2t dtype": ("vllm", edit_tensors(
+        lambda t: t.update({"d2t": t["d2t"].int()})), "int64"),
+    "mixed float dtypes": ("sglang", edit_tensors(
+        lambda t: t.update({"norm.weight": t["norm.weight"].bfloat16()})), "float32 or all"),
+    "t2d count": ("sglang", edit_tensors(lambda t: t["t2d"].__setitem__(
+        t["t2d"].nonzero()[0, 0], False)), "t2d marks"),
+    "t2d disagrees with d2t": ("vllm", edit_tensors(swap_t2d), "disagree"),
+    "swapped norms": ("sglang", edit_tensors(swap_norms), "draft logits"),
+    "HF ids written for SGLang": ("sglang", edit_config(lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[2, 4, 5])), "aux_layers"),
+    "norm_before_residual missing": ("vllm", edit_config(
+        lambda c: c.pop("norm_before_residual")), "norm_before_residual"),
+    "tied embeddings": ("sglang", edit_config(
+        lambda c: c.update(tie_word_embeddings=True)), "tie_word_embeddings"),
+    "draft_vocab_size as string": ("vllm", edit_config(
+        lambda c: c.update(draft_vocab_size="64")), "draft_vocab_size"),
+    "shorter context": ("vllm", edit_config(lambda c: c["transformer_layer_config"].update(
+        max_position_embeddings=512)), "max_position_embeddings"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_reader_fails_on_corruption(tmp_path, exports, ckpt, target, name):
+    fmt, corrupt, message = CORRUPTIONS[name]
+    copy = shutil.copytree(exports[fmt], tmp_path / fmt)
+    check_export(copy, fmt, target=target_info(target), reference=load_checkpoint(ckpt))  # clean
+    corrupt(copy)
+    with pytest.raises(ExportCheckError, match=message):
+        check_export(copy, fmt, target=target_info(target), reference=load_checkpoint(ckpt))
+
+
+# ---- refusals: nothing lands in out_dir ---------------------------------------------------------
+
+def assert_nothing_written(tmp_path, out):
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging leftovers
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "native"])
+def test_refuses_shorter_context(tmp_path, target, fmt):
+    bad = save_eagle3(tmp_path / "ckpt", target, max_position_embeddings=512)
+    with pytest.raises(ExportError, match="max_position_embeddings: drafter config 512 != "
+                                          "target 1024"):
+        export_checkpoint(bad, fmt, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("layers", [[2, 4, 8], [0, 4, 5], [2, 4], [5, 4, 2]])
+def test_refuses_bad_layer_ids(tmp_path, target, layers):
+    bad = save_eagle3(tmp_path / "ckpt", target, aux_layers=layers)
+    with pytest.raises(ExportError, match="aux layers"):
+        export_checkpoint(bad, "sglang", tmp_path / "out", target=target)
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_refuses_missing_vocab_maps_and_vocab_mismatch(tmp_path, target, ckpt):
+    loaded = load_checkpoint(ckpt)
+    state = {k: v for k, v in loaded.state_dict.items() if k != "d2t"}
+    no_d2t = save_checkpoint(tmp_path / "no_d2t", family="eagle3", config=loaded.config,
+                             target=loaded.target, state_dict=state)
+    with pytest.raises(ExportError, match="no d2t"):
+        export_checkpoint(no_d2t, "vllm", tmp_path / "out")
+    other_vocab = save_checkpoint(tmp_path / "vocab", family="eagle3", config=loaded.config,
+                                  target={**loaded.target, "vocab_size": 300},
+                                  state_dict=loaded.state_dict)
+    with pytest.raises(ExportError, match="vocab_size: drafter config 259 != target 300"):
+        export_checkpoint(other_vocab, "sglang", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_other_family_for_engine_formats(tmp_path, target):
+    medusa = save_checkpoint(tmp_path / "medusa", family="medusa", config={"num_heads": 2},
+                             target=target_info(target),
+                             state_dict={"heads.0.weight": torch.ones(2, 2)})
+    for fmt in ("sglang", "vllm"):
+        with pytest.raises(ExportError, match=f"export of a medusa checkpoint to {fmt} is not "
+                                              "supported; use --format medusa/native"):
+            export_checkpoint(medusa, fmt, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
+    copy = export_checkpoint(medusa, "native", tmp_path / "out").path  # native copies any family
+    assert torch.equal(load_checkpoint(copy).state_dict["heads.0.weight"], torch.ones(2, 2))
+
+
+def test_refuses_existing_out_dir(tmp_path, ckpt):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    export_checkpoint(ckpt, "sglang", tmp_path / "out", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", WEIGHTS]
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+def test_cli_end_to_end(tmp_path, ckpt, capsys):
+    out = tmp_path / "vllm"
+    assert main([str(ckpt), "--format", "vllm", "--out", str(out), "--target",
+                 "tiny-random-llama", "--dtype", "bf16", "--speculative-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote vllm export (bf16) to {out}" in printed
+    assert "HF hidden_states [2, 4, 5] -> written [2, 4, 5]" in printed
+    config = read_config(out)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert load_file(out / WEIGHTS)["fc.weight"].dtype == torch.bfloat16
+    assert main([str(ckpt), "--format", "sglang", "--out", str(out)]) == 1  # exists: refused
+    assert "already exists" in capsys.readouterr().err
