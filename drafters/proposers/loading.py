@@ -1,0 +1,142 @@
+"""Build a proposer from a command-line spec: a registered name or a drafter checkpoint directory.
+
+Specs:
+  prompt-lookup[:max_ngram=3,min_ngram=1]   n-gram lookup in the context (no model)
+  draft-model:<target name or path>         a smaller LM sharing the target's tokenizer
+  <directory>                               a trained drafter checkpoint: native (drafter.json,
+                                            drafters.checkpoint) or exported (config.json)
+
+The tree spec decides the draft shape. Prompt lookup maps it onto (depth, branches, node cap):
+chain:K -> (K, 1, K); dynamic:total,depth,topk -> (depth, topk, total); static -> (max depth,
+number of leaves, number of draft nodes). This module knows nothing about decoding itself.
+"""
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from drafters.checkpoint import CONFIG_FILE, check_target
+from drafters.checkpoint import load_checkpoint as read_checkpoint
+from drafters.proposers import PROPOSERS
+from drafters.proposers.draft_model import DraftModelProposer
+from drafters.proposers.prompt_lookup import PromptLookupProposer
+from drafters.tree import ChainSpec, DynamicSpec, TreeSpec
+
+PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
+                  "<drafter checkpoint directory>")
+# Trained drafters register here when their families land (EAGLE-1/3, Medusa, Blockwise):
+# native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
+# match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
+FAMILY_LOADERS: dict[str, Callable] = {}
+# exported checkpoints (config.json): format -> (detect(config) -> bool,
+# load(path, config, target, tree) -> proposer); recorded target fields are checked before.
+CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {}
+
+
+def load_proposer(spec: str, target, tree: TreeSpec):
+    name, _, arg = spec.partition(":")
+    if name == "prompt-lookup":
+        return _prompt_lookup(arg, target, tree)
+    if name == "draft-model":
+        if not arg:
+            raise ValueError("proposer 'draft-model' needs a model: draft-model:<target name or path>")
+        return _draft_model(arg, target, tree)
+    if Path(spec).is_dir():
+        return load_checkpoint(Path(spec), target, tree)
+    raise ValueError(f"unknown proposer {spec!r}: use one of {', '.join(PROPOSER_SPECS)} "
+                     f"(registered names: {', '.join(sorted(PROPOSERS))})")
+
+
+def tree_budget(tree: TreeSpec) -> int:
+    # draft nodes per round, root excluded (the root is the pending token, not a draft)
+    if isinstance(tree, ChainSpec):
+        return tree.length
+    if isinstance(tree, DynamicSpec):
+        return tree.total
+    return tree.shape.num_nodes - 1
+
+
+def tree_depth(tree: TreeSpec) -> int:
+    if isinstance(tree, ChainSpec):
+        return tree.length
+    if isinstance(tree, DynamicSpec):
+        return tree.depth
+    return tree.shape.max_depth
+
+
+def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
+    options = {}
+    for item in filter(None, arg.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in ("max_ngram", "min_ngram") or not eq or not value.isdigit():
+            raise ValueError(f"prompt-lookup option {item!r}: expected max_ngram=N or min_ngram=N")
+        options[key] = int(value)
+    if isinstance(tree, ChainSpec):
+        branches = 1
+    elif isinstance(tree, DynamicSpec):
+        branches = tree.topk
+    else:
+        branches = sum(1 for i in range(tree.shape.num_nodes) if i not in tree.shape.parents)
+    return PromptLookupProposer(depth=tree_depth(tree), branches=branches, max_nodes=tree_budget(tree),
+                                eos_token_ids=target.eos_token_ids, **options)
+
+
+def _draft_model(name: str, target, tree: TreeSpec) -> DraftModelProposer:
+    from drafters.targets import load_target  # the draft model is loaded like a target
+
+    draft = load_target(name, dtype=str(target.dtype).removeprefix("torch."))
+    draft.model.to(target.device)
+    return DraftModelProposer(
+        draft.model, tree, target_vocab_size=target.lm_head.weight.shape[0],
+        tokenizer=draft.tokenizer, target_tokenizer=target.tokenizer,
+    )
+
+
+def load_checkpoint(path: Path, target, tree: TreeSpec):
+    if (path / CONFIG_FILE).is_file():  # native drafters checkpoint (drafters.checkpoint)
+        checkpoint = read_checkpoint(path)
+        check_target(checkpoint, target)
+        if checkpoint.family not in FAMILY_LOADERS:
+            raise ValueError(f"drafter checkpoint {path}: no proposer for family {checkpoint.family!r} yet; "
+                             f"known families: {', '.join(sorted(FAMILY_LOADERS)) or 'none'}")
+        return FAMILY_LOADERS[checkpoint.family](checkpoint, target, tree)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"drafter checkpoint {path}: neither {CONFIG_FILE} (a drafters checkpoint) nor "
+                         "config.json (an exported EAGLE / Medusa / speculators checkpoint)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path}: not valid JSON ({error})") from None
+    check_checkpoint_matches_target(config, target, config_path)
+    for fmt, (detect, load) in CHECKPOINT_LOADERS.items():
+        if detect(config):
+            return load(path, config, target, tree)
+    raise ValueError(
+        f"drafter checkpoint {path}: no loader for this format yet (architectures "
+        f"{config.get('architectures')}); known formats: {', '.join(CHECKPOINT_LOADERS) or 'none'}. "
+        f"Use one of {', '.join(PROPOSER_SPECS[:2])}"
+    )
+
+
+def check_checkpoint_matches_target(config: dict, target, where) -> None:
+    # Every field the checkpoint records about its target must match this target.
+    layer_config = config.get("transformer_layer_config", {})  # vLLM speculators nest it
+    recorded = {
+        "hidden size": config.get("target_hidden_size", config.get("hidden_size")),
+        "vocab size": config.get("vocab_size", layer_config.get("vocab_size")),
+        "layer count": config.get("target_num_hidden_layers", config.get("num_target_layers")),
+    }
+    actual = {"hidden size": target.hidden_size, "vocab size": target.vocab_size,
+              "layer count": target.num_layers}
+    for field, value in recorded.items():
+        if value is not None and value != actual[field]:
+            raise ValueError(f"{where}: drafter was built for a target with {field} {value}, but "
+                             f"{target.name} has {actual[field]}; train or export it for this target")
+    eagle_config = config.get("eagle_config", {})
+    layer_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids",
+                                 config.get("eagle_aux_hidden_state_layer_ids")) or []
+    if any(not 0 <= i <= target.num_layers for i in layer_ids):
+        raise ValueError(f"{where}: auxiliary layer ids {layer_ids} do not exist in {target.name} "
+                         f"({target.num_layers} layers); the drafter was built for another target")
+

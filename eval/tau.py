@@ -1,0 +1,311 @@
+"""Mean accepted length (tau) and speedup of a proposer against plain `generate` on one target.
+
+    python eval/tau.py --target smollm2-135m-instruct --proposer prompt-lookup --bench mt_bench \
+        --temperature 0 --tree chain:4 --limit 5 --max-new-tokens 128 --json out.json
+
+Both methods run in this process on the same prompts, batch 1, with the same sampling settings,
+max_new_tokens and stop tokens: first `model.generate` (the baseline), then
+`speculative_generate` with the proposer. Multi-turn items (MT-bench) ask turn 2 after the
+baseline's own turn-1 answer, so both methods always see identical prompts. At temperature 0 the
+two outputs must be equal token for token; a mismatch is a decoder bug: it is reported loudly and
+the script exits non-zero (after writing the complete JSON).
+
+Reported (and written atomically as JSON with --json):
+  tau          mean over rounds of accepted draft tokens + 1 (bonus); rounds = target forwards
+               after the prefill; the tree budget is stated with and without the root
+  acceptance   per depth d: rounds that accepted depth d / rounds that drafted depth d
+  speed        tokens/s of both methods (prefill included), speedup, mean draft / verify /
+               bookkeeping time per round
+  model        expected speedup (1 - a^(k+1)) / ((1 - a)(c k + 1)) beside the measured one, with
+               k = mean drafted depth per round, a = the per-token acceptance that gives the
+               measured tau for a chain of k, i.e. the root of tau = (1 - a^(k+1)) / (1 - a)
+               (chosen over averaging per-depth rates because it reproduces tau exactly; the mean
+               per-depth rate is reported too), and c = (draft time per round / k) / (baseline
+               time per generated token), the draft cost per token in target forwards
+A prompt whose tokens + max_new_tokens + tree depth exceed the target's context is a counted
+skip (with the rest of that item's turns), not an error.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafters.benches import BenchItem, load_bench, render_prompt
+from drafters.decoding import RoundStats, speculative_generate
+from drafters.proposers.adaptive import AdaptiveChain
+from drafters.proposers.loading import load_proposer, tree_budget, tree_depth
+from drafters.sampling import SamplingConfig
+from drafters.targets import load_target
+from drafters.tree import ChainSpec, parse_tree_spec
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
+    p.add_argument("--proposer", required=True,
+                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory")
+    p.add_argument("--bench", required=True, help="mt_bench | humaneval | path to a JSONL file")
+    p.add_argument("--tree", default="chain:4", help="chain:K | static:... | dynamic:total=,depth=,topk=")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="first N bench items")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--adaptive", action="store_true",
+                   help="chain proposers: +2 after a fully accepted round, -1 otherwise")
+    p.add_argument("--json", default=None, help="write the results here (atomically)")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Run:
+    stats: RoundStats = field(default_factory=RoundStats)  # all rounds of all prompts
+    base_tokens: int = 0
+    base_s: float = 0.0
+    spec_tokens: int = 0
+    spec_s: float = 0.0
+    prompts: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    mismatches: list[dict] = field(default_factory=list)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    tree, sampling, items = check_inputs(args)  # fail fast, before any model is loaded
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target = load_target(args.target, dtype=args.dtype)
+        proposer = load_proposer(args.proposer, target, tree)
+        if args.adaptive:
+            proposer = AdaptiveChain(proposer)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"tau: {error}") from None
+    run = Run()
+    for index, item in enumerate(items):
+        evaluate_item(target, proposer, item, index, args, tree, sampling, run)
+    if not run.prompts:
+        raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
+                         "lower --max-new-tokens or use shorter prompts")
+    report = summarize(run, args, target, tree)
+    print_report(report)
+    if args.json:
+        write_json_atomic(Path(args.json), report)
+    if run.mismatches:
+        raise SystemExit(f"tau: {len(run.mismatches)} greedy outputs differ from generate (a bug): "
+                         f"{run.mismatches}")
+    return report
+
+
+def check_inputs(args):
+    if not args.temperature >= 0:
+        raise SystemExit(f"tau: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"tau: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        tree = parse_tree_spec(args.tree)
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed)
+        items = load_bench(args.bench, limit=args.limit)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"tau: {error}") from None
+    if args.adaptive and not isinstance(tree, ChainSpec):
+        raise SystemExit(f"tau: --adaptive needs a chain tree spec (chain:K), got {args.tree!r}")
+    return tree, sampling, items
+
+
+def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling, run: Run):
+    history = []
+    for turn in range(len(item.turns)):
+        prompt = torch.tensor(render_prompt(target.tokenizer, item, history), dtype=torch.long)
+        depth = AdaptiveChain.max_depth if args.adaptive else tree_depth(tree)
+        needed = prompt.numel() + args.max_new_tokens + depth
+        if needed > target.max_position_embeddings:
+            run.skipped.append({"id": item.id, "turn": turn + 1, "prompt_tokens": prompt.numel(),
+                                "needed_positions": needed, "context": target.max_position_embeddings})
+            return
+        seed = args.seed + 1000 * index + turn
+        base, base_s = baseline(target, prompt, args.max_new_tokens, sampling, seed)
+        spec, stats, spec_s = speculative(target, proposer, prompt, args.max_new_tokens, sampling, seed)
+        record(run, item, turn, prompt, base, base_s, spec, stats, spec_s, sampling)
+        answer = target.tokenizer.decode(base[prompt.numel():].tolist(), skip_special_tokens=True)
+        history += [{"role": "user", "content": item.turns[turn]},
+                    {"role": "assistant", "content": answer}]
+
+
+@torch.no_grad()
+def baseline(target, prompt, max_new_tokens, sampling, seed):
+    torch.manual_seed(seed)
+    ids = prompt[None].to(target.device)  # (1, T)
+    # explicit neutral values: nothing from the model's generation_config changes the baseline
+    kwargs = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p)
+    start = time.perf_counter()
+    out = target.model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
+        eos_token_id=sorted(target.eos_token_ids), pad_token_id=target.tokenizer.pad_token_id,
+        repetition_penalty=1.0, no_repeat_ngram_size=0, **kwargs)
+    return out[0].cpu(), time.perf_counter() - start
+
+
+def speculative(target, proposer, prompt, max_new_tokens, sampling, seed):
+    torch.manual_seed(seed)  # draft models sample their drafts from the global generator
+    generator = torch.Generator(target.device).manual_seed(seed)  # the verifier's own
+    start = time.perf_counter()
+    out, stats = speculative_generate(target.model, proposer, prompt, max_new_tokens=max_new_tokens,
+                                      sampling=sampling, eos_token_ids=target.eos_token_ids,
+                                      generator=generator)
+    return out.cpu(), stats, time.perf_counter() - start
+
+
+def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, spec_s, sampling):
+    n = prompt.numel()
+    run.base_tokens += base.numel() - n
+    run.base_s += base_s
+    run.spec_tokens += spec.numel() - n
+    run.spec_s += spec_s
+    total = run.stats
+    total.accepted += stats.accepted
+    total.tree_sizes += stats.tree_sizes
+    total.tree_depths += stats.tree_depths
+    total.prefill_s += stats.prefill_s
+    total.draft_s += stats.draft_s
+    total.verify_s += stats.verify_s
+    total.other_s += stats.other_s
+    match = None
+    if sampling.greedy:
+        match = torch.equal(base, spec)
+        if not match:
+            first = next((i for i, (a, b) in enumerate(zip(base[n:], spec[n:])) if a != b),
+                         min(base.numel(), spec.numel()) - n)
+            run.mismatches.append({"id": item.id, "turn": turn + 1, "first_difference": first})
+            print(f"!!! MISMATCH: bench item {item.id} turn {turn + 1}: speculative output differs "
+                  f"from generate at new token {first} (a decoder or proposer bug)", file=sys.stderr)
+    run.prompts.append({"id": item.id, "turn": turn + 1, "category": item.category,
+                        "prompt_tokens": n, "baseline_tokens": base.numel() - n,
+                        "speculative_tokens": spec.numel() - n, "rounds": stats.num_rounds,
+                        "tau": stats.tau, "match": match})
+
+
+# ---------------------------------------------------------------- summary
+
+
+def acceptance_from_tau(tau: float, k: float) -> float:
+    # root a in [0, 1] of tau = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a), increasing in a
+    if k <= 0 or tau <= 1:
+        return 0.0
+    if tau >= k + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        a = (low + high) / 2
+        low, high = (a, high) if (1 - a ** (k + 1)) / (1 - a) < tau else (low, a)
+    return (low + high) / 2
+
+
+def expected_speedup(a: float, k: float, c: float) -> float:
+    gain = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return gain / (c * k + 1)
+
+
+def summarize(run: Run, args, target, tree) -> dict:
+    stats, rounds = run.stats, max(run.stats.num_rounds, 1)
+    base_tps = run.base_tokens / run.base_s if run.base_s else 0.0
+    spec_tps = run.spec_tokens / run.spec_s if run.spec_s else 0.0
+    k = sum(stats.tree_depths) / rounds
+    a = acceptance_from_tau(stats.tau, k)
+    per_depth = stats.depth_acceptance()
+    target_s_per_token = run.base_s / max(run.base_tokens, 1)
+    c = (stats.draft_s / rounds) / k / target_s_per_token if k > 0 and target_s_per_token else 0.0
+    budget = tree_budget(tree)
+    return {
+        "target": target.name, "proposer": args.proposer, "bench": args.bench, "tree": args.tree,
+        "tree_budget": {"draft_nodes_excl_root": budget, "nodes_incl_root": budget + 1},
+        "mean_tree_nodes_incl_root": sum(stats.tree_sizes) / rounds,
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                     "seed": args.seed},
+        "max_new_tokens": args.max_new_tokens, "limit": args.limit, "adaptive": args.adaptive,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(run.prompts), "skipped": run.skipped,
+        "rounds": stats.num_rounds, "tau": stats.tau, "per_depth_acceptance": per_depth,
+        "baseline": {"tokens": run.base_tokens, "seconds": run.base_s, "tokens_per_s": base_tps},
+        "speculative": {"tokens": run.spec_tokens, "seconds": run.spec_s, "tokens_per_s": spec_tps},
+        "speedup": spec_tps / base_tps if base_tps else 0.0,
+        "time_per_round_ms": {"draft": 1e3 * stats.draft_s / rounds,
+                              "verify": 1e3 * stats.verify_s / rounds,
+                              "other": 1e3 * stats.other_s / rounds},
+        "model": {"k_mean_depth": k, "a_from_tau": a,
+                  "a_mean_per_depth": sum(per_depth) / len(per_depth) if per_depth else 0.0,
+                  "c_draft_over_target_per_token": c,
+                  "expected_speedup": expected_speedup(a, k, c) if k > 0 else 1.0},
+        "greedy_check": None if args.temperature > 0 else {
+            "checked": len(run.prompts), "mismatches": len(run.mismatches),
+            "mismatched": run.mismatches},
+        "per_prompt": run.prompts,
+    }
+
+
+def print_report(r: dict) -> None:
+    budget = r["tree_budget"]
+    model = r["model"]
+    times = r["time_per_round_ms"]
+    rows = [
+        ("target / proposer", f"{r['target']} / {r['proposer']}"),
+        ("bench", f"{r['bench']}: {r['num_prompts']} prompts, {len(r['skipped'])} skipped (too long)"),
+        ("tree", f"{r['tree']}: {budget['draft_nodes_excl_root']} draft nodes excl. root "
+                 f"({budget['nodes_incl_root']} incl.), mean {r['mean_tree_nodes_incl_root']:.1f} "
+                 "nodes incl. root per round"),
+        ("sampling", f"temperature {r['sampling']['temperature']}, top-k {r['sampling']['top_k']}, "
+                     f"top-p {r['sampling']['top_p']}, max_new_tokens {r['max_new_tokens']}"
+                     + (", adaptive chain" if r["adaptive"] else "")),
+        ("tau (accepted + bonus)", f"{r['tau']:.3f} over {r['rounds']} rounds"),
+        ("acceptance by depth", " ".join(f"d{d + 1}:{x:.2f}" for d, x in
+                                         enumerate(r["per_depth_acceptance"])) or "-"),
+        ("baseline generate", f"{r['baseline']['tokens_per_s']:.2f} tok/s "
+                              f"({r['baseline']['tokens']} tokens, {r['baseline']['seconds']:.1f} s)"),
+        ("speculative", f"{r['speculative']['tokens_per_s']:.2f} tok/s "
+                        f"({r['speculative']['tokens']} tokens, {r['speculative']['seconds']:.1f} s)"),
+        ("speedup (measured)", f"{r['speedup']:.2f}x"),
+        ("per round (ms)", f"draft {times['draft']:.1f}, verify {times['verify']:.1f}, "
+                           f"bookkeeping {times['other']:.1f}"),
+        ("speedup (formula)", f"{model['expected_speedup']:.2f}x with k={model['k_mean_depth']:.2f}, "
+                              f"a={model['a_from_tau']:.3f} (from tau; mean per-depth "
+                              f"{model['a_mean_per_depth']:.3f}), "
+                              f"c={model['c_draft_over_target_per_token']:.3f}"),
+    ]
+    check = r["greedy_check"]
+    if check is not None:
+        verdict = "OK" if check["mismatches"] == 0 else "!!! BUG: outputs differ from generate !!!"
+        rows.append(("greedy == generate", f"{check['checked'] - check['mismatches']}/"
+                                           f"{check['checked']} match, {check['mismatches']} "
+                                           f"mismatches  {verdict}"))
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+
+def write_json_atomic(path: Path, report: dict) -> None:
+    # temp file in the same directory + rename: readers never see a partial file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2, allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+if __name__ == "__main__":
+    main()

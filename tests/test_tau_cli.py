@@ -1,0 +1,127 @@
+"""eval/tau.py end to end on a tiny target, in-process; bad inputs fail clearly and write no JSON."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafters.benches import BenchItem
+from drafters.decoding import RoundStats
+from drafters.sampling import SamplingConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("tau", ROOT / "eval" / "tau.py")
+tau = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tau)
+
+FIELDS = {"target", "proposer", "bench", "tree", "tree_budget", "sampling", "max_new_tokens",
+          "num_prompts", "skipped", "rounds", "tau", "per_depth_acceptance", "baseline",
+          "speculative", "speedup", "time_per_round_ms", "model", "greedy_check", "per_prompt"}
+
+
+@pytest.fixture
+def bench(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "abc abc abc abc"},
+            {"conversations": [{"role": "user", "content": "hello hello"},
+                               {"role": "assistant", "content": "hi"},
+                               {"role": "user", "content": "and again, hello"}]},
+            {"prompt": "never reached with --limit 2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run(bench, out, *extra):
+    return tau.main(["--target", "tiny-random-llama", "--bench", str(bench), "--limit", "2",
+                     "--max-new-tokens", "16", "--threads", "1", "--json", str(out), *extra])
+
+
+def test_prompt_lookup_end_to_end_writes_the_documented_json(bench, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    report = run(bench, out, "--proposer", "prompt-lookup", "--tree", "chain:4")
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(report))
+    assert FIELDS <= written.keys()
+    assert written["num_prompts"] == 3  # item 1 + both user turns of item 2
+    assert [p["turn"] for p in written["per_prompt"]] == [1, 1, 2]
+    assert written["greedy_check"] == {"checked": 3, "mismatches": 0, "mismatched": []}
+    assert written["tree_budget"] == {"draft_nodes_excl_root": 4, "nodes_incl_root": 5}
+    assert written["baseline"]["tokens"] == written["speculative"]["tokens"] > 0
+    assert written["rounds"] == sum(p["rounds"] for p in written["per_prompt"])
+    assert 1 <= written["tau"] <= 5
+    assert 0 <= written["model"]["a_from_tau"] <= 1
+    assert "tau (accepted + bonus)" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".out.json.*"))  # no temp file left
+
+
+def test_draft_model_tree_and_adaptive_chain(bench, tmp_path):
+    tree = run(bench, tmp_path / "tree.json", "--proposer", "draft-model:tiny-random-llama",
+               "--tree", "dynamic:total=8,depth=3,topk=2")
+    assert tree["greedy_check"]["mismatches"] == 0
+    assert tree["tau"] > 1.5  # the target drafting for itself
+    adaptive = run(bench, tmp_path / "adaptive.json", "--proposer", "draft-model:tiny-random-llama",
+                   "--tree", "chain:2", "--adaptive")
+    assert adaptive["greedy_check"]["mismatches"] == 0
+    assert max(p["tau"] for p in adaptive["per_prompt"]) > 3  # grew past the initial 2 + 1
+
+
+def test_formula_helpers():
+    assert tau.acceptance_from_tau(1.0, 4) == 0.0
+    assert tau.acceptance_from_tau(5.0, 4) == 1.0
+    a = tau.acceptance_from_tau(1 + 0.5 + 0.25 + 0.125, 3)
+    assert abs(a - 0.5) < 1e-9
+    assert abs(tau.expected_speedup(0.5, 3, 0.0) - 1.875) < 1e-9
+    assert abs(tau.expected_speedup(1.0, 3, 1 / 3) - 2.0) < 1e-9
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--bench", "no-such-bench"], "unknown bench 'no-such-bench'"),
+    (["--proposer", "medusa-ish"], "unknown proposer 'medusa-ish'"),
+    (["--tree", "chain:zero"], "bad tree spec 'chain:zero'"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--tree", "dynamic:total=8", "--adaptive"], "--adaptive needs a chain"),
+    (["--target", "no-such-target"], "unknown target 'no-such-target'"),
+    (["--proposer", "draft-model:"], "draft-model needs a model"),
+])
+def test_bad_inputs_fail_clearly_and_leave_no_json(bench, tmp_path, extra, message):
+    out = tmp_path / "out.json"
+    args = ["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench", str(bench),
+            "--max-new-tokens", "4", "--json", str(out)]
+    with pytest.raises(SystemExit) as error:
+        tau.main(args + extra)
+    assert message.replace("'", "") in str(error.value).replace("'", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # no JSON, no temp file
+
+
+def test_checkpoint_for_another_target_is_refused(bench, tmp_path):
+    checkpoint = tmp_path / "drafter"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
+    with pytest.raises(SystemExit, match="hidden size 576"):
+        run(bench, tmp_path / "out.json", "--proposer", str(checkpoint))
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_prompts_longer_than_the_context_are_counted_skips(tmp_path):
+    bench = tmp_path / "long.jsonl"
+    bench.write_text(json.dumps({"prompt": "x" * 1100}) + "\n" + json.dumps({"prompt": "short"}) + "\n")
+    report = tau.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench",
+                       str(bench), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")])
+    assert report["num_prompts"] == 1
+    assert report["skipped"][0]["id"] == "1" and report["skipped"][0]["context"] == 1024
+    bench.write_text(json.dumps({"prompt": "x" * 1100}) + "\n")
+    with pytest.raises(SystemExit, match="every prompt was skipped"):
+        tau.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench",
+                  str(bench), "--json", str(tmp_path / "none.json")])
+    assert not (tmp_path / "none.json").exists()
+
+
+def test_a_greedy_mismatch_is_recorded_and_loud(capsys):
+    run = tau.Run()
+    prompt, base, spec = torch.tensor([1, 2]), torch.tensor([1, 2, 5, 6, 7]), torch.tensor([1, 2, 5, 9, 7])
+    item = BenchItem("q1", "c", ("t",))
+    tau.record(run, item, 0, prompt, base, 1.0, spec, RoundStats(), 1.0, SamplingConfig())
+    assert run.mismatches == [{"id": "q1", "turn": 1, "first_difference": 1}]
+    assert "MISMATCH" in capsys.readouterr().err
