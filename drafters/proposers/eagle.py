@@ -1,0 +1,224 @@
+"""EAGLE proposer: a trained EAGLE drafter drafts the decoder's tree from the target's features.
+
+Alignment (DESIGN.md): drafter position t reads (feature_t, token_{t+1}) and predicts token_{t+2}.
+The drafter cache holds one slot per committed pair, slot = RoPE position. After a target prefill
+of T tokens the pairs t = 0..T-2 are known; feature T-1 waits for its next token, the pending one,
+which arrives with `propose` (the "root pair", slot T-1; its logits rank the root's children).
+A tree node at depth d >= 1 is one drafter step on its parent's OUTPUT hidden state and its own
+token, at RoPE position root + d, attending to the committed slots, the root pair and its own
+ancestors (4D mask), as in the training-time test. `update` crops the tree's slots and appends
+the committed pairs computed from the TARGET's features, never the drafter's own.
+
+Sampling (temperature > 0): chain and static trees draw each node's children WITHOUT replacement
+from the warped draft distribution q (draft vocabulary scattered into target ids), in child order,
+and hand q to the verifier as `draft_probs` (best acceptance, lossless). Dynamic (EAGLE-2) trees
+keep deterministic top-k drafts at every temperature: their rerank keeps or drops a node by its
+drawn value, which would bias sampled siblings; deterministic drafts are verified as one-hot
+proposals (lossless, lower acceptance).
+
+EAGLE-3 and EAGLE-1 differ only in which target features are fused (`eagle3_inputs`). Knows
+nothing about the target model (it gets features and the frozen embedding) nor verification.
+"""
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from drafters.checkpoint import CheckpointError, check_target, load_checkpoint
+from drafters.draft_vocab import DraftVocab
+from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features
+from drafters.proposers import TargetNeeds
+from drafters.sampling import SamplingConfig, sample_without_replacement, warp
+from drafters.tree import (ChainSpec, DynamicSpec, Frontier, Tree, TreeShape, TreeSpec, build_dynamic_tree,
+                           build_static_tree, parse_tree_spec)
+
+
+def eagle3_inputs(drafter):
+    # EAGLE-3: the aux layers' hidden states concatenated; drafter.fc projects them (3h -> h).
+    # differs in EAGLE-1: TargetNeeds(pre_norm_last=True), fuse = lambda f: f.pre_norm_last
+    layers = tuple(drafter.config.aux_layers)
+    return TargetNeeds(layers=layers), lambda f: fuse_features(f.hidden_states, layers)  # (1, T, n*h)
+
+
+class EagleProposer:
+    def __init__(self, drafter, embed, tree: TreeSpec, *, inputs=eagle3_inputs, seed: int = 0):
+        # drafting runs under no_grad: a drafter being trained can be evaluated as it is
+        self.drafter, self.embed, self.tree = drafter, embed, tree
+        self.needs, self.fuse = inputs(drafter)
+        self.depth = tree.length if isinstance(tree, ChainSpec) else None  # AdaptiveChain sets it
+        device = drafter.lm_head.weight.device
+        self.used = drafter.draft_vocab.used.to(device)  # (Vd,) draft id -> target id
+        self.generator = torch.Generator(device).manual_seed(seed)  # sampled drafts only
+        self.cache, self.length, self.last = Eagle3Cache(), 0, None
+
+    # ------------------------------------------------------------ committed pairs
+
+    def reset(self, prompt_ids: Tensor, features) -> None:
+        fused = self.fuse(features)  # (1, T, n*h) at prompt positions 0..T-1
+        self.cache, self.length, self.last = Eagle3Cache(), 0, fused[:, :0]
+        self._commit(fused, prompt_ids[1:])
+
+    def update(self, new_tokens: Tensor, features, pending: int) -> None:
+        # new_tokens (a,) = old pending + accepted drafts; features at their positions
+        self._commit(self.fuse(features), new_tokens)
+
+    @torch.no_grad()
+    def _commit(self, fused: Tensor, next_tokens: Tensor) -> None:
+        # pairs (feature_t, token_{t+1}) for every position whose next token is now known; the
+        # newest feature waits for the pending token. The root pair is recomputed here (1 row).
+        fused = torch.cat([self.last, fused], dim=1)  # (1, a + 1, n*h), a = len(next_tokens)
+        self.cache.crop(self.length)  # drop the draft tree's slots
+        if next_tokens.numel():
+            self.drafter.prefill(fused[:, :-1], next_tokens[None].to(fused.device), self.embed, self.cache)
+        self.length, self.last = self.length + next_tokens.numel(), fused[:, -1:]
+
+    @torch.no_grad()
+    def draft_root(self, pending: int) -> tuple[Tensor, Tensor]:
+        # the root pair (newest feature, pending) at slot self.length
+        # -> (output hidden (1, 1, h), logits (1, 1, Vd) over the root's children)
+        self.cache.crop(self.length)
+        ids = torch.tensor([[pending]], device=self.last.device)
+        return self.drafter.prefill(self.last, ids, self.embed, self.cache)
+
+    # ------------------------------------------------------------ drafting
+
+    @torch.no_grad()
+    def propose(self, context: Tensor, pending: int, sampling: SamplingConfig) -> Tree:
+        if self.last is None or context.numel() != self.length + 1:
+            raise RuntimeError(f"EagleProposer: the decoder's context has {context.numel()} tokens, the drafter "
+                               f"holds {self.length + 1}; call reset() after the prefill and update() every round")
+        hidden, logits = self.draft_root(pending)
+        root = hidden[0], logits[0]  # (1, h), (1, Vd)
+        if isinstance(self.tree, DynamicSpec):  # top-k drafts at every temperature (module docstring)
+            expand, _ = self._expander(*root, sampling, draws=0)
+            t = self.tree
+            return build_dynamic_tree(pending, expand, depth=t.depth, topk=t.topk, total=t.total)
+        shape = chain_shape(self.depth) if self.depth is not None else self.tree.shape
+        if sampling.greedy:
+            expand, _ = self._expander(*root, sampling, draws=0)
+            return build_static_tree(shape, pending, expand)
+        shape = sibling_order(shape)  # child rank r = its parent's draw r
+        expand, probs = self._expander(*root, sampling, draws=1 + max(shape.ranks))
+        return with_draft_probs(build_static_tree(shape, pending, expand), probs)
+
+    def _expander(self, root_hidden: Tensor, root_logits: Tensor, sampling: SamplingConfig, draws: int):
+        # -> (expand, probs). expand(Frontier) -> (F, V) scores over target ids: draft log-probs
+        # (top-k drafts) or, with draws > 0, `draws` samples per node without replacement ranked
+        # in draw order; probs[node] = (V,) the warped q its children were drawn from.
+        slots, hidden, probs = {0: self.length}, {0: root_hidden[0]}, {}
+
+        def expand(frontier: Frontier) -> Tensor:
+            logits = root_logits if frontier.depth == 0 else self._step(frontier, slots, hidden)  # (F, Vd)
+            if not draws:
+                return self._to_target(logits.float().log_softmax(-1), float("-inf"))
+            q = self._to_target(warp(logits, sampling), 0.0)  # (F, V) float32
+            probs.update(zip(frontier.nodes.tolist(), q))
+            return self._draws(q, draws)
+
+        return expand, probs
+
+    def _step(self, frontier: Frontier, slots: dict, hidden: dict) -> Tensor:
+        # one drafter step over the frontier (F nodes at depth d): hidden input = parent's output,
+        # RoPE position = root + d, keys = committed slots + root pair + ancestors-or-self
+        nodes, parents = frontier.nodes.tolist(), frontier.pool_parents.tolist()
+        start, device = len(self.cache), self.last.device
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (F, S + F)
+        mask[:, : self.length + 1] = True
+        for i, node in enumerate(nodes):
+            slots[node] = start + i
+            ancestor = node
+            while ancestor > 0:  # the root's slot is in the prefix
+                mask[i, slots[ancestor]] = True
+                ancestor = parents[ancestor]
+        inputs = torch.stack([hidden[parents[node]] for node in nodes])[None]  # (1, F, h)
+        positions = torch.full((1, len(nodes)), self.length + frontier.depth, device=device)
+        out, logits = self.drafter.step(inputs, frontier.tokens[None].to(device), self.embed, self.cache,
+                                        positions, mask[None, None].to(device))
+        hidden.update(zip(nodes, out[0]))
+        return logits[0]  # (F, Vd)
+
+    def _to_target(self, x: Tensor, fill: float) -> Tensor:
+        # (F, Vd) over draft ids -> (F, V) over target ids (target id = draft id + d2t[draft id])
+        out = x.new_full((x.shape[0], self.drafter.config.vocab_size), fill)
+        out[:, self.used] = x
+        return out
+
+    def _draws(self, q: Tensor, k: int) -> Tensor:
+        # q (F, V) -> scores (F, V) whose top-k are k draws without replacement per row, in draw order
+        scores = torch.full_like(q, float("-inf"))
+        for row in range(q.shape[0]):
+            drawn = sample_without_replacement(q[row], k, self.generator)  # (<= k,): fewer if q's support is smaller
+            scores[row, drawn] = -torch.arange(drawn.numel(), dtype=q.dtype, device=q.device)
+        return scores
+
+
+def with_draft_probs(tree: Tree, probs: dict[int, Tensor]) -> Tree:
+    # draft_probs row i = q of node i's parent (row 0 unused). Nodes q cannot draw (its support ran
+    # out before the shape's siblings did: they come last among their siblings) go, with their
+    # subtrees; which ones depends on q alone, never on the draws, so the rest stays lossless.
+    parents, tokens = tree.parent_list, tree.tokens.tolist()
+    drawable = torch.stack([probs[p][t] for p, t in zip(parents[1:], tokens[1:])]).gt(0).tolist()
+    new_id = {0: 0}
+    for i, ok in enumerate(drawable, start=1):
+        if ok and parents[i] in new_id:
+            new_id[i] = len(new_id)
+    keep = list(new_id)  # ascending: still topological
+    rows = torch.stack([torch.zeros_like(probs[0])] + [probs[parents[i]] for i in keep[1:]])  # (N', V)
+    new_parents = torch.tensor([-1] + [new_id[parents[i]] for i in keep[1:]], device=tree.tokens.device)
+    return Tree(tree.tokens[keep], new_parents, rows)
+
+
+@lru_cache
+def chain_shape(depth: int) -> TreeShape:
+    return TreeShape.from_paths([[0] * d for d in range(1, depth + 1)])
+
+
+@lru_cache
+def sibling_order(shape: TreeShape) -> TreeShape:
+    # Same topology, rank = index among siblings: sampled child r is its parent's draw r, so a
+    # gap such as [[0], [2]] must not skip a draw (the verifier assumes consecutive draws).
+    renamed, count = {(): ()}, {}
+    for path in shape.paths:  # sorted by (depth, ranks): siblings in rank order
+        parent = renamed[path[:-1]]
+        count[parent] = count.get(parent, -1) + 1
+        renamed[path] = parent + (count[parent],)
+    return TreeShape.from_paths([renamed[p] for p in shape.paths])
+
+
+# ---------------------------------------------------------------- loading a native checkpoint
+
+
+def load_eagle_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
+    ckpt = load_checkpoint(Path(path), family="eagle3")
+    check_target(ckpt, target)
+    try:
+        config = Eagle3Config(**ckpt.config)
+    except TypeError as err:
+        raise CheckpointError(f"{ckpt.path}: drafter config does not fit Eagle3Config ({err})") from None
+    check_config(config, target, ckpt.path)
+    vocab = DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path), draft_vocab_size=config.draft_vocab_size,
+                                       target_vocab_size=config.vocab_size)
+    drafter = Eagle3Drafter(config, vocab)
+    try:
+        drafter.load_state_dict(ckpt.state_dict, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{ckpt.path}: weights do not match the drafter config: {err}") from None
+    drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
+    return EagleProposer(drafter, target.embed_tokens, tree, seed=seed)
+
+
+def check_config(config: Eagle3Config, target, where) -> None:
+    # the drafter's own shapes must fit the target (its recorded target info may be right while
+    # the config was edited or built for another model)
+    have = target.config.get_text_config()
+    wrong = [f"{key}: drafter {getattr(config, key)} vs target {getattr(have, key)}"
+             for key in ("hidden_size", "vocab_size", "max_position_embeddings")
+             if getattr(config, key) != getattr(have, key)]
+    if any(not 0 <= i <= have.num_hidden_layers for i in config.aux_layers):
+        wrong.append(f"aux_layers {config.aux_layers} outside 0..{have.num_hidden_layers} (target layer count)")
+    if wrong:
+        raise CheckpointError(f"{where}: this EAGLE-3 drafter does not fit target {target.name!r}: "
+                              + "; ".join(wrong) + ". Train or convert a drafter for this target")
