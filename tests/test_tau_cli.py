@@ -1,5 +1,6 @@
 """eval/tau.py end to end on a tiny target, in-process; bad inputs fail clearly and write no JSON."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -125,3 +126,21 @@ def test_a_greedy_mismatch_is_recorded_and_loud(capsys):
     tau.record(run, item, 0, prompt, base, 1.0, spec, RoundStats(), 1.0, SamplingConfig())
     assert run.mismatches == [{"id": "q1", "turn": 1, "first_difference": 1}]
     assert "MISMATCH" in capsys.readouterr().err
+
+
+def test_a_trained_eagle3_checkpoint_is_a_proposer(bench, tmp_path):
+    # A native EAGLE-3 checkpoint directory plugs into --proposer; greedy output still equals generate.
+    from drafters.checkpoint import save_checkpoint, target_info
+    from drafters.draft_vocab import build_draft_vocab
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from drafters.targets import load_target
+
+    target = load_target("tiny-random-llama")
+    vocab = build_draft_vocab(torch.ones(target.vocab_size), target.vocab_size, size=64)
+    drafter = Eagle3Drafter(Eagle3Config.from_target_config(target.config, draft_vocab_size=64), vocab)
+    drafter.init_from_target(target.lm_head.weight, vocab)
+    save_checkpoint(tmp_path / "eagle3", family="eagle3", config=dataclasses.asdict(drafter.config),
+                    target=target_info(target), state_dict=drafter.state_dict())
+    report = run(bench, tmp_path / "e3.json", "--proposer", str(tmp_path / "eagle3"), "--tree",
+                 "dynamic:total=6,depth=3,topk=2")
+    assert report["greedy_check"]["mismatches"] == 0 and report["rounds"] > 0
