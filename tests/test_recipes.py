@@ -1,0 +1,34 @@
+"""Every recipe in the repository loads with the schema of the script its first line launches."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from drafters.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+LAUNCH = re.compile(r"^# (?:accelerate launch(?: --\S+(?: \S+)?)*|python) ((?:train|eval)/\w+\.py) (recipes/\S+\.yaml)")
+
+
+def script_schema(script: str):
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Recipe
+
+
+def test_there_are_recipes():
+    assert RECIPES, "recipes/ holds no YAML recipe"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_loads_with_its_scripts_schema(path):
+    first_line = path.read_text().splitlines()[0]
+    match = LAUNCH.match(first_line)
+    assert match, f"{path.name}: first line must be the launch command, e.g. '# python train/x.py recipes/{path.name}'"
+    script, named = match.groups()
+    assert named == f"recipes/{path.name}", f"{path.name}: its launch command names {named}"
+    load_recipe(path, schema=script_schema(script))

@@ -1,0 +1,119 @@
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "tiny_regenerate.yaml")
+DATA = ROOT / "tests" / "data" / "tiny_prompts.jsonl"
+IDS = ["t0", "t1", "t2", "tiny_prompts.jsonl:4", "t4"]
+
+
+@pytest.fixture(scope="module")
+def regenerate():
+    spec = importlib.util.spec_from_file_location("regenerate", ROOT / "train" / "regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(regenerate, output, *overrides):
+    return regenerate.main([RECIPE, f"data={DATA}", f"output={output}", *overrides])
+
+
+def read_rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def greedy_answer(model, tokenizer, messages, max_new_tokens=8):
+    # Reference: batch 1, no padding, the same text round trip as the script.
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=[2], pad_token_id=0)
+    new = out[0, ids.shape[1]:].tolist()
+    new = new[: new.index(2)] if 2 in new else new
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def prompt_length(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_regenerates_every_assistant_turn(regenerate, tmp_path, tiny_llama):
+    output = tmp_path / "out" / "regen.jsonl"
+    stats = run(regenerate, output)
+    rows = read_rows(output)
+    assert [r["id"] for r in rows] == IDS and stats.written == 5
+    assert [r["source"] for r in rows] == ["demo", "demo", str(DATA), str(DATA), "demo"]
+    multi = rows[1]["conversations"]
+    assert [m["role"] for m in multi] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in multi if m["role"] != "assistant"] == [
+        "Answer briefly.", "Name a colour.", "Another one?"]
+
+    model, tokenizer = tiny_llama
+    assert rows[0]["conversations"][1]["content"] == greedy_answer(
+        model, tokenizer, [{"role": "user", "content": "What is 2+2?"}])
+    # the 2nd user turn is asked after the target's own 1st answer, not the dataset's
+    assert multi[4]["content"] == greedy_answer(model, tokenizer, multi[:4])
+    assert 0 < stats.tokens <= 8 * 6 and stats.seconds > 0
+
+
+def test_resume_skips_written_rows_and_drops_a_truncated_line(regenerate, tmp_path):
+    output = tmp_path / "regen.jsonl"
+    run(regenerate, output, "limit=3")
+    assert [r["id"] for r in read_rows(output)] == IDS[:3]
+
+    stats = run(regenerate, output)
+    assert (stats.resumed, stats.written) == (3, 2)
+    complete = output.read_text()
+    assert [r["id"] for r in read_rows(output)] == IDS
+
+    lines = complete.splitlines(keepends=True)
+    output.write_text("".join(lines[:-1]) + lines[-1][:20])  # crash in the middle of the last row
+    stats = run(regenerate, output)
+    assert (stats.resumed, stats.written) == (4, 1)
+    assert output.read_text() == complete  # greedy: the re-generated row is the same
+
+
+def test_corrupt_row_in_the_middle_is_an_error(regenerate, tmp_path):
+    output = tmp_path / "regen.jsonl"
+    output.write_text('{"id": "t0"}\nnot json\n{"id": "t1"}\n')
+    with pytest.raises(ValueError, match="regen.jsonl:2: not a row written by regenerate"):
+        run(regenerate, output)
+
+
+def test_sampling_is_seeded(regenerate, tmp_path):
+    first = run(regenerate, tmp_path / "a.jsonl", "temperature=0.8", "top_p=0.9", "seed=1")
+    run(regenerate, tmp_path / "b.jsonl", "temperature=0.8", "top_p=0.9", "seed=1")
+    assert first.written == 5
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+
+
+def test_prompt_length_limit_ends_conversations(regenerate, tmp_path, tiny_llama):
+    _, tokenizer = tiny_llama
+    system, first_question = ({"role": "system", "content": "Answer briefly."},
+                              {"role": "user", "content": "Name a colour."})
+    limit = prompt_length(tokenizer, [system, first_question])
+    stats = run(regenerate, tmp_path / "c.jsonl", f"max_prompt_length={limit}")
+    rows = {r["id"]: r["conversations"] for r in read_rows(tmp_path / "c.jsonl")}
+    assert [m["role"] for m in rows["t1"]] == ["system", "user", "assistant"]  # 2nd turn too long
+    assert set(rows) == set(IDS)
+    assert sum(stats.skipped.values()) == 1
+
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    limit = prompt_length(tokenizer, question)
+    stats = run(regenerate, tmp_path / "d.jsonl", f"max_prompt_length={limit}")
+    # only "Say hi." is shorter than "What is 2+2?"; the other conversations are not written
+    assert [r["id"] for r in read_rows(tmp_path / "d.jsonl")] == ["t0", "t2"]
+    assert stats.skipped == {"prompt longer than max_prompt_length (conversation ends before it)": 3}
+
+
+def test_bad_settings_are_recipe_errors(regenerate, tmp_path):
+    with pytest.raises(ValueError, match="top_p=1.5 must be in"):
+        run(regenerate, tmp_path / "x.jsonl", "top_p=1.5")
+    with pytest.raises(ValueError, match="'prompt'"):
+        run(regenerate, tmp_path / "x.jsonl", "fmt=alpaca")
