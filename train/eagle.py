@@ -1,0 +1,471 @@
+"""Train an EAGLE-3 drafter head on a frozen target, online: target features are computed per batch.
+
+    accelerate launch train/eagle.py recipes/eagle3_smollm2.yaml [key=value ...]
+    python train/eagle.py recipes/eagle3_tiny.yaml max_steps=3 output_dir=/tmp/run
+
+Flow: recipe -> frozen target -> examples (chat template + assistant loss mask) -> deterministic
+train / held-out split -> draft vocabulary counted on the TRAIN examples under the loss mask ->
+Eagle3Drafter (lm_head = the target LM head's rows of the draft vocabulary) -> AdamW with linear
+warmup then cosine or constant lr -> loop: target features (aux layers + logits, no grad) ->
+training-time test unroll -> backward -> clip -> step.
+
+Writes to output_dir (relative paths in the recipe are relative to the current directory):
+    metrics.jsonl       one row per optimizer step (rewritten by each run), flushed at log steps
+    eval.jsonl          one row per held-out evaluation
+    checkpoint-{step}/  every save_every steps, and checkpoint-final/ (drafters.checkpoint format)
+Metrics come from the main process's batches; tokens/s counts real (non-pad) tokens of all
+processes. Knows nothing about decoding trees or export formats.
+"""
+
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from drafters.checkpoint import save_checkpoint, target_info
+from drafters.data import Example, build_examples, collate
+from drafters.draft_vocab import DraftVocab, build_draft_vocab
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
+from drafters.recipe import RecipeError, load_recipe, to_dict
+from drafters.targets import Target, load_target
+
+
+@dataclass
+class Data:
+    path: str  # JSON / JSONL file, save_to_disk folder or Hugging Face dataset name (drafters.data)
+    fmt: Literal["auto", "sharegpt", "openai", "text"] = "auto"
+    split: str = "train"
+    max_length: int = 2048  # tokens; longer conversations are cut
+    limit: int | None = None  # read the first N usable rows only
+    eval_rows: int | None = None  # held-out rows; overrides eval_fraction
+    eval_fraction: float = 0.02
+    seed: int = 0  # of the train / held-out split
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0  # linear from lr / warmup_steps up to lr
+    schedule: Literal["cosine", "constant"] = "cosine"  # after warmup; cosine decays to 0
+    max_grad_norm: float | None = 0.5  # null = no clipping (the norm is still logged)
+
+
+@dataclass
+class Recipe:
+    target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
+    data: Data
+    drafter: Literal["eagle3", "eagle1"] = "eagle3"
+    output_dir: str = "outputs/eagle3"
+    draft_vocab_size: int = 32000  # capped at the target vocab
+    layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
+    ttt_steps: int = 7
+    step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
+    optim: Optim = field(default_factory=Optim)
+    batch_size: int = 1  # per process
+    grad_accum: int = 1
+    epochs: int | None = 1
+    max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the target's weights
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
+    save_every: int = 0  # 0 = only checkpoint-final
+    eval_every: int = 0  # 0 = only at the end
+
+
+@dataclass
+class Summary:
+    steps: int
+    tokens: int
+    losses: list[float]  # total loss per optimizer step (main process)
+    eval: dict | None
+    checkpoint: Path
+    target: Target
+    drafter: Eagle3Drafter
+
+
+def main(argv: list[str]) -> Summary:
+    if not argv:
+        raise SystemExit("usage: python train/eagle.py RECIPE.yaml [key=value ...]")
+    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    check(recipe)
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    # cpu=True on machines without an accelerator, so torchrun / accelerate launch with several
+    # processes there runs gloo DDP instead of independent copies
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, cpu=not torch.accelerator.is_available())
+    say = accelerator.print
+
+    target = load_target(recipe.target, dtype=recipe.dtype)
+    target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
+    train_rows, held_out = load_examples(recipe, target, say)
+    vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
+                              min(recipe.draft_vocab_size, target.vocab_size))
+    set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
+    drafter = build_drafter(recipe, target, vocab)
+    say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+        f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
+
+    objective = Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
+                                  weight_decay=recipe.optim.weight_decay)
+    loader = train_loader(recipe, train_rows, pad_id(target))
+    objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
+    total_steps = plan_steps(recipe, len(loader))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
+    eval_batches = [collate(batch, pad_id(target)) for batch in length_sorted_batches(held_out, recipe.batch_size)]
+
+    output_dir = Path(recipe.output_dir)
+    run = Run(recipe, accelerator, target, objective, eval_batches, output_dir)
+    losses = train(run, optimizer, scheduler, loader, total_steps)
+    result = run.evaluate(total_steps)
+    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
+    say(f"eagle: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
+    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target,
+                   accelerator.unwrap_model(objective).drafter)
+
+
+def check(recipe: Recipe) -> None:
+    if recipe.drafter == "eagle1":  # slots in as another objective + build_drafter branch
+        raise NotImplementedError("drafter=eagle1: EAGLE-1 training is not implemented yet (it comes "
+                                  "in a later issue); use drafter=eagle3")
+    positive = ["draft_vocab_size", "ttt_steps", "batch_size", "grad_accum", "log_every"]
+    problems = [f"{name}={getattr(recipe, name)} must be >= 1" for name in positive if getattr(recipe, name) < 1]
+    problems += [f"{name}={getattr(recipe, name)} must be >= 0 (0 = off)" for name in
+                 ("save_every", "eval_every", "threads") if getattr(recipe, name) < 0]
+    problems += [f"{name}={getattr(recipe, name)} must be >= 1 or null" for name in
+                 ("epochs", "max_steps") if getattr(recipe, name) is not None and getattr(recipe, name) < 1]
+    if recipe.epochs is None and recipe.max_steps is None:
+        problems.append("set epochs or max_steps (or both: whichever ends first)")
+    if recipe.step_weight <= 0:
+        problems.append(f"step_weight={recipe.step_weight} must be > 0")
+    data, optim = recipe.data, recipe.optim
+    if data.max_length < 3:
+        problems.append(f"data.max_length={data.max_length} must be >= 3 (a label needs 2 tokens of context)")
+    if not 0 <= data.eval_fraction < 1 or (data.eval_rows is not None and data.eval_rows < 0):
+        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1), data.eval_rows >= 0")
+    if optim.lr <= 0 or optim.warmup_steps < 0 or optim.weight_decay < 0:
+        problems.append(f"optim.lr={optim.lr} must be > 0, warmup_steps and weight_decay >= 0")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        problems.append(f"optim.betas={optim.betas} must be two numbers in [0, 1)")
+    if optim.max_grad_norm is not None and optim.max_grad_norm <= 0:
+        problems.append(f"optim.max_grad_norm={optim.max_grad_norm} must be > 0 or null (no clipping)")
+    if problems:
+        raise RecipeError("recipe: " + "; ".join(problems))
+
+
+# ---- set-up ---------------------------------------------------------------------------------------
+
+
+def load_examples(recipe: Recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
+    data = recipe.data
+    examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,
+                                      fmt=data.fmt, split=data.split, limit=data.limit)
+    say(report.summary())
+    num_held_out = data.eval_rows if data.eval_rows is not None else round(len(examples) * data.eval_fraction)
+    if num_held_out >= len(examples):
+        raise RecipeError(f"data.eval_rows / eval_fraction hold out {num_held_out} of the {len(examples)} "
+                          "usable examples, leaving none to train on; lower them")
+    # The split is a permutation by data.seed of the usable examples: the same file, max_length and
+    # limit give the same held-out rows whatever the training seed.
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
+    held_out = [examples[i] for i in sorted(order[:num_held_out])]
+    train_rows = [examples[i] for i in sorted(order[num_held_out:])]
+    say(f"eagle: {len(train_rows)} training examples ({sum(map(num_tokens, train_rows))} tokens), "
+        f"{len(held_out)} held out")
+    return train_rows, held_out
+
+
+def build_drafter(recipe: Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
+    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers)
+    drafter = Eagle3Drafter(config, vocab).to(target.device)
+    drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
+    return drafter
+
+
+class Eagle3Objective(nn.Module):
+    """What accelerate prepares (DDP syncs gradients through forward): the training-time test of
+    `drafter` on one batch. The target stays outside; its features and embedding are arguments."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float):
+        super().__init__()
+        self.drafter, self.steps, self.step_weight = drafter, steps, step_weight
+
+    def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
+        return self.drafter.ttt_forward(features, input_ids, target_logits, loss_mask, embed,
+                                        steps=self.steps, step_weight=self.step_weight)
+
+
+def target_inputs(target: Target, aux_layers: list[int], batch: dict, dtype: torch.dtype):
+    """-> fused features (B, T, n*h) in the drafter's dtype, target logits (B, T, V); no grad."""
+    out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=True)
+    return fuse_features(out.hidden_states, aux_layers).to(dtype), out.logits
+
+
+def pad_id(target: Target) -> int:
+    tokenizer = target.tokenizer
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(target.eos_token_ids)
+
+
+def num_tokens(example: Example) -> int:
+    return len(example.input_ids)
+
+
+class LengthBuckets:
+    """Batches of similar lengths, so padding stays small. Each pass shuffles the rows, sorts every
+    window of `window` batches by length, cuts it into batches and shuffles the batch order. Pass n
+    draws from seed + n: every process of a multi-process run sees the same batches."""
+
+    drop_last = False  # read by accelerate when it shards batches over processes
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, window: int = 64):
+        self.lengths, self.batch_size, self.seed, self.window = lengths, batch_size, seed, window
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.passes)
+        self.passes += 1
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        span, batches = self.batch_size * self.window, []
+        for start in range(0, len(order), span):
+            rows = sorted(order[start:start + span], key=self.lengths.__getitem__)
+            batches += [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+        for i in torch.randperm(len(batches), generator=generator).tolist():
+            yield batches[i]
+
+
+def train_loader(recipe: Recipe, rows: list[Example], pad: int) -> DataLoader:
+    sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
+    return DataLoader(rows, batch_sampler=sampler, collate_fn=partial(collate, pad_id=pad))
+
+
+def length_sorted_batches(rows: list[Example], batch_size: int) -> list[list[Example]]:
+    rows = sorted(rows, key=num_tokens)
+    return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+def plan_steps(recipe: Recipe, batches_per_epoch: int) -> int:
+    # Micro-batches left over at the end of an epoch start the next epoch's first step.
+    by_epochs = None if recipe.epochs is None else recipe.epochs * batches_per_epoch // recipe.grad_accum
+    total = min(s for s in (by_epochs, recipe.max_steps) if s is not None)
+    if total < 1:
+        raise RecipeError(f"{batches_per_epoch} batches per epoch x epochs={recipe.epochs} is less than one "
+                          f"optimizer step of grad_accum={recipe.grad_accum} batches; use more data or epochs")
+    return total
+
+
+def lr_factor(optim: Optim, total_steps: int, step: int) -> float:
+    # step counts optimizer steps from 0; the lr of step s is optim.lr * lr_factor(s)
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---- the loop -------------------------------------------------------------------------------------
+
+
+def train(run: "Run", optimizer, scheduler, loader, total_steps: int) -> list[float]:
+    recipe, accelerator, objective = run.recipe, run.accelerator, run.objective
+    max_norm = recipe.optim.max_grad_norm or math.inf
+    step, micro, acc = 0, 0, None
+    bar = tqdm(total=total_steps, unit="step", disable=not accelerator.is_main_process, dynamic_ncols=True)
+    objective.train()
+    while step < total_steps:
+        for batch in loader:
+            last_micro = (micro + 1) % recipe.grad_accum == 0
+            with nullcontext() if last_micro else accelerator.no_sync(objective):
+                acc = run.micro_step(batch, acc)
+            micro += 1
+            if not last_micro:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(objective.parameters(), max_norm)
+            lr = scheduler.get_last_lr()[0]  # the lr this step used
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            run.log.add(step, acc, grad_norm, lr)
+            acc = None
+            bar.update(1)
+            if run.flush_due(step, total_steps):
+                bar.set_postfix_str(run.log.flush(run.reduce_tokens))
+            run.periodic(step, total_steps)
+            if step == total_steps:
+                break
+    bar.close()
+    return run.log.losses
+
+
+class Run:
+    """The pieces of one training run that the loop, the evaluation and the saving share."""
+
+    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path):
+        self.recipe, self.accelerator, self.target = recipe, accelerator, target
+        self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
+        self.drafter = accelerator.unwrap_model(objective).drafter
+        self.aux_layers = self.drafter.config.aux_layers
+        self.dtype = self.drafter.fc.weight.dtype
+        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process)
+        self.tokens_total = 0
+        if accelerator.is_main_process:
+            (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+
+    def micro_step(self, batch: dict, acc: dict | None) -> dict:
+        """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
+        features, target_logits = target_inputs(self.target, self.aux_layers, batch, self.dtype)
+        out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                             self.target.embed_tokens)
+        self.accelerator.backward(out.loss / self.recipe.grad_accum)
+        scale = 1.0 / self.recipe.grad_accum
+        metrics = {
+            "loss": out.loss.detach() * scale,
+            "step_losses": out.step_losses.detach() * scale,
+            "correct": out.step_accuracies * out.step_counts,  # (K,) correct top-1 per step
+            "counted": out.step_counts,
+            "tokens": batch["attention_mask"].sum(),  # real tokens, no padding
+        }
+        return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
+
+    def flush_due(self, step: int, total_steps: int) -> bool:
+        # log steps, the last step, and before a checkpoint (so its token count is exact)
+        save_every = self.recipe.save_every
+        return step % self.recipe.log_every == 0 or step == total_steps or bool(save_every and step % save_every == 0)
+
+    def reduce_tokens(self, tokens: Tensor) -> Tensor:
+        return self.accelerator.reduce(tokens, reduction="sum")
+
+    def periodic(self, step: int, total_steps: int) -> None:
+        if step == total_steps:
+            return  # the end of main() evaluates and saves checkpoint-final
+        recipe = self.recipe
+        if recipe.eval_every and step % recipe.eval_every == 0:
+            result = self.evaluate(step)
+            self.objective.train()
+        else:
+            result = None
+        if recipe.save_every and step % recipe.save_every == 0:
+            self.save(self.output_dir / f"checkpoint-{step}", step, result)
+
+    def save(self, path: Path, step: int, result: dict | None) -> Path:
+        self.tokens_total = self.log.tokens_total
+        if self.accelerator.is_main_process:
+            extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result}
+            save_checkpoint(path, family="eagle3", config=asdict(self.drafter.config),
+                            target=target_info(self.target), state_dict=self.drafter.state_dict(), extra=extra)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def evaluate(self, step: int) -> dict | None:
+        result = None
+        if self.eval_batches and self.accelerator.is_main_process:
+            result = evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator)
+            result["step"] = step
+            tqdm.write(format_eval(result))  # keeps the progress bar intact
+            with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
+        self.accelerator.wait_for_everyone()
+        return result
+
+
+class MetricsLog:
+    """Per-step metric tensors, written to metrics.jsonl at flushes: one host sync per flush."""
+
+    def __init__(self, path: Path, write: bool):
+        self.path, self.write, self.pending, self.losses = path, write, [], []
+        self.tokens_total, self.window_start, self.start = 0, time.perf_counter(), time.perf_counter()
+        if write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def add(self, step: int, acc: dict, grad_norm: Tensor, lr: float) -> None:
+        self.pending.append((step, lr, acc, torch.as_tensor(grad_norm).detach().float()))
+
+    def flush(self, reduce_tokens) -> str:
+        """Writes the pending rows; tokens_per_s is the rate over the steps since the last flush."""
+        tokens = reduce_tokens(torch.stack([acc["tokens"] for _, _, acc, _ in self.pending]))
+        stacked = {k: torch.stack([acc[k].float() for _, _, acc, _ in self.pending]).tolist()
+                   for k in ("loss", "step_losses", "correct", "counted")}
+        grad_norms = torch.stack([g.to(tokens.device) for *_, g in self.pending]).tolist()
+        tokens = tokens.tolist()
+        now = time.perf_counter()
+        rate = sum(tokens) / max(now - self.window_start, 1e-9)
+        rows = []
+        for i, (step, lr, _, _) in enumerate(self.pending):
+            accuracy = [c / max(n, 1) for c, n in zip(stacked["correct"][i], stacked["counted"][i])]
+            rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["step_losses"][i],
+                         "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
+                         "tokens_per_s": rate, "elapsed_s": now - self.start})
+        if self.write:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        self.losses += stacked["loss"]
+        self.tokens_total += sum(tokens)
+        self.pending, self.window_start = [], now
+        last = rows[-1]
+        return f"loss {last['loss']:.3f} acc0 {last['step_acc'][0]:.2f} {rate:.0f} tok/s"
+
+
+# ---- held-out evaluation --------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(drafter: Eagle3Drafter, target: Target, batches: list[dict], recipe: Recipe, accelerator) -> dict:
+    """Per TTT step k (k = 1 .. K, step k drafts the k-th token of a chain):
+        acc_k          = correct top-1 / supervised positions (target argmax outside the draft vocab
+                         counts as a miss: the drafter can never propose it)
+        acc_in_vocab_k = correct top-1 / supervised positions whose target argmax is in the vocab
+        tau_pred       = 1 + sum_{k=1..K} prod_{j<=k} acc_j
+    TTT step k is teacher-forced on the true tokens but on the drafter's own hidden states, so acc_k
+    estimates P(draft k accepted | drafts 1..k-1 accepted) and tau_pred the mean accepted length
+    (bonus token included) of a greedy chain of K drafts. It ignores trees and sampling."""
+    drafter.eval()
+    steps = recipe.ttt_steps
+    correct, counted, supervised = (torch.zeros(steps, device=accelerator.device) for _ in range(3))
+    loss = torch.zeros((), device=accelerator.device)
+    for batch in batches:
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        features, target_logits = target_inputs(target, drafter.config.aux_layers, batch, drafter.fc.weight.dtype)
+        with accelerator.autocast():
+            out = drafter.ttt_forward(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                                      target.embed_tokens, steps=steps, step_weight=recipe.step_weight)
+        correct += out.step_accuracies * out.step_counts
+        counted += out.step_counts
+        supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])
+        loss += out.loss
+    accuracy = (correct / supervised.clamp(min=1)).tolist()
+    tau_pred = 1 + sum(math.prod(accuracy[:k + 1]) for k in range(steps))
+    return {"loss": (loss / len(batches)).item(), "step_acc": accuracy,
+            "step_acc_in_vocab": (correct / counted.clamp(min=1)).tolist(),
+            "supervised": int(supervised[0]), "tau_pred": tau_pred}
+
+
+def format_eval(result: dict) -> str:
+    accuracy = " ".join(f"{a:.3f}" for a in result["step_acc"])
+    return (f"eval @ step {result['step']}: loss {result['loss']:.4f}, per-TTT-step top-1 accuracy [{accuracy}] "
+            f"over {result['supervised']} supervised tokens; tau_pred (chain of {len(result['step_acc'])}, "
+            f"1 + sum_k prod_(j<=k) acc_j) = {result['tau_pred']:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
