@@ -45,11 +45,14 @@ def build_tiny_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_target(name: str = "tiny-random-llama", seed: int = 0, num_layers: int = 8):
+def build_tiny_target(name: str = "tiny-random-llama", seed: int = 0, num_layers: int = 8,
+                      untied_head_seed: int | None = None):
     """Return (model, tokenizer) for a tiny random target: hidden 64, `num_layers` layers, vocab 259.
 
     Eight layers by default so that the EAGLE-3 default fusion layers [2, L//2, L-3] = [2, 4, 5]
-    are distinct.
+    are distinct. The tiny Llama ties its LM head to the embeddings and then greedily repeats one
+    token forever; `untied_head_seed` gives it an untied random head instead, so greedy
+    continuations vary and drafts can be right or wrong.
     """
     tokenizer = build_tiny_tokenizer()
     common = dict(
@@ -78,6 +81,11 @@ def build_tiny_target(name: str = "tiny-random-llama", seed: int = 0, num_layers
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_cls(config)
+    if untied_head_seed is not None:
+        with torch.random.fork_rng():
+            torch.manual_seed(untied_head_seed)
+            model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        model.config.tie_word_embeddings = False
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.eval(), tokenizer

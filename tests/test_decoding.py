@@ -16,14 +16,8 @@ MODELS = ["varied_llama", "tiny_gemma3"]
 
 @pytest.fixture(scope="module")
 def varied_llama():
-    # The stock tiny llama ties its head to the embeddings and greedily repeats one token forever;
-    # an untied random head gives varied continuations, so drafts can be right or wrong.
-    model, _ = build_tiny_target("tiny-random-llama")
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        model.lm_head = torch.nn.Linear(64, VOCAB, bias=False)
-    model.config.tie_word_embeddings = False
-    return model
+    # varied greedy continuations, so drafts can be right or wrong (see build_tiny_target)
+    return build_tiny_target("tiny-random-llama", untied_head_seed=1)[0]
 
 
 def _model(request, name):

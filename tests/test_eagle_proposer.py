@@ -28,14 +28,8 @@ GREEDY = SamplingConfig()
 
 
 def untied_llama():
-    # The stock tiny llama ties its head to the embeddings and greedily repeats one token forever;
-    # an untied random head gives varied continuations (as in test_decoding.py).
-    model, tokenizer = build_tiny_target("tiny-random-llama")
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        model.lm_head = torch.nn.Linear(64, VOCAB, bias=False)
-    model.config.tie_word_embeddings = False
-    return Target(model, tokenizer, "tiny-random-llama")
+    # varied greedy continuations, so drafts can be right or wrong (see build_tiny_target)
+    return Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
 
 
 def greedy_reference(model, prompts, max_new_tokens):
