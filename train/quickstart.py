@@ -1,0 +1,78 @@
+"""The main job on the embedded default, end to end on a CPU machine:
+
+    python train/quickstart.py [--out outputs/quickstart] [--questions 3] [--max-new-tokens 128]
+
+1. regenerate: SmolLM2-135M-Instruct answers the project's own 320 prompts
+   (recipes/regenerate_quickstart.yaml; resumable, about 10 minutes on 2 cores);
+2. train: an EAGLE-3 drafter on those conversations (recipes/eagle3_quickstart.yaml, ~15 minutes);
+3. export: SGLang and vLLM formats, each reloaded and checked by the independent reader;
+4. measure: tau and speedup over plain `generate` on the first MT-bench questions, for the
+   EAGLE-3 drafter (EAGLE-2 dynamic tree) next to the untrained baseline (prompt lookup).
+
+Each step is the project's own entry script run as a subprocess, so this file is only the
+sequence; run any step alone with the command it prints. Steps whose output already exists are
+skipped, so re-running after an interruption continues where it stopped.
+"""
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "smollm2-135m-instruct"
+EAGLE_TREE = "dynamic:total=60,depth=6,topk=10"
+BASELINE_TREE = "chain:4"
+
+
+def step(title: str, args: list[str]) -> None:
+    command = [sys.executable, *args]
+    print(f"\n== {title}\n$ {shlex.join(['python', *args])}", flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="outputs/quickstart", help="everything is written under this directory")
+    p.add_argument("--questions", type=int, default=3, help="MT-bench questions (2 turns each) to measure on")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    regenerated, run_dir = out / "regenerated.jsonl", out / "eagle3"
+    checkpoint = run_dir / "checkpoint-final"
+
+    step("1/4 regenerate the training conversations with the target",
+         ["train/regenerate.py", "recipes/regenerate_quickstart.yaml", f"output={regenerated}"])
+    if not (ROOT / checkpoint).is_dir():
+        step("2/4 train the EAGLE-3 drafter",
+             ["train/eagle.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}"])
+    for fmt in ("sglang", "vllm"):
+        step(f"3/4 export ({fmt}) and validate",
+             ["eval/export.py", str(checkpoint), "--format", fmt, "--out", str(out / f"export-{fmt}"),
+              "--target", TARGET, "--overwrite"])
+    results = {}
+    for name, proposer, tree in (("EAGLE-3", str(checkpoint), EAGLE_TREE),
+                                 ("prompt lookup", "prompt-lookup", BASELINE_TREE)):
+        report = out / f"tau-{name.replace(' ', '-').lower()}.json"
+        step(f"4/4 tau and speedup: {name}",
+             ["eval/tau.py", "--target", TARGET, "--proposer", proposer, "--tree", tree, "--bench", "mt_bench",
+              "--temperature", "0", "--limit", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
+              "--json", str(report)])
+        results[name] = (tree, json.loads((ROOT / report).read_text()))
+    print_summary(results, args.questions)
+
+
+def print_summary(results: dict, questions: int) -> None:
+    print(f"\n== {TARGET}, first {questions} MT-bench questions (both turns), temperature 0")
+    print(f"{'proposer':<15} {'tree (draft nodes excl. root)':<36} {'tau':>6} {'speedup':>8} {'greedy == generate':>19}")
+    for name, (tree, r) in results.items():
+        budget = r["tree_budget"]["draft_nodes_excl_root"]
+        check = r["greedy_check"]
+        ok = f"{check['checked'] - check['mismatches']}/{check['checked']}"
+        print(f"{name:<15} {f'{tree} ({budget})':<36} {r['tau']:>6.2f} {r['speedup']:>7.2f}x {ok:>19}")
+
+
+if __name__ == "__main__":
+    main()
