@@ -277,8 +277,10 @@ class Eagle3Drafter(nn.Module):
         batch, seq_len = input_ids.shape
         positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
         hidden = self.project_hidden_states(features)  # step-0 hidden input (B, T, h)
-        # per target row: (B, T, Vd) renormalised target probs, (B, T) argmax in vocab, its draft id
-        targets = draft_vocab_targets(target_logits, self.t2d, self.config.draft_vocab_size)
+        # Only supervised positions are scored: norm + lm_head + soft CE run on their rows alone
+        # (prompt and padding rows are skipped). Every step's label row r = t+1+i is supervised iff
+        # loss_mask[r+1] = 1, the same rows at all steps, so the target side is computed once there.
+        rows, targets = self._supervised_targets(target_logits, loss_mask)
         keys, values, metrics, step_logits = [], [], [], []
         for step in range(steps):
             # step i: hidden input = own output of step i-1 at t (fc(F) at i = 0), token_{t+1+i},
@@ -289,19 +291,44 @@ class Eagle3Drafter(nn.Module):
             hidden, (k, v) = self.backbone(embeds, hidden, positions + step, past, mask)
             keys.append(k)
             values.append(v)
-            labels = [ttt_label_rows(rows, step) for rows in targets]
-            label_mask = ttt_label_mask(loss_mask, step)  # (B, T-1-i)
-            logits = self.compute_logits(hidden[:, :label_mask.shape[1]])  # (B, T-1-i, Vd)
+            label_rows = ttt_label_rows(rows, step)  # (B, T-1-i) index into targets, -1 = none
+            label_mask = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i)
+            counted = label_mask & (label_rows >= 0)  # supervised AND target argmax in vocab
+            counted_rows = label_rows[counted]  # (M,) M = counted positions of this step
+            num_rows = label_mask.shape[1]
+            if return_logits:  # tests: every position's logits, scored at the counted ones
+                logits = self.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, Vd)
+                step_logits.append(logits)
+                counted_logits = logits[counted]  # (M, Vd)
+            else:
+                counted_logits = self.compute_logits(hidden[:, :num_rows][counted])  # (M, Vd)
+            target_p, argmax_draft = (t[counted_rows] for t in targets)  # (M, Vd), (M,)
+            all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
             num_positions = batch * seq_len if normalize == "positions" else None
-            loss, accuracy, count = soft_cross_entropy(logits, *labels, label_mask,
-                                                       num_positions=num_positions)
+            loss, accuracy, count = soft_cross_entropy(
+                counted_logits, target_p, all_counted, argmax_draft, all_counted,
+                num_positions=num_positions)
             metrics.append((loss, accuracy, count))
-            step_logits += [logits] if return_logits else []
         step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
         weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
         return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
                          step_accuracies=step_accuracies, step_counts=step_counts,
                          step_logits=step_logits)
+
+    def _supervised_targets(self, target_logits: Tensor, loss_mask: Tensor
+                            ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The target side of the loss, at the rows some TTT step scores: row r (label of step i
+        at t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the
+        draft vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
+            rows (B, T) long: index of row r into the two tensors below, -1 where never scored
+            target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
+        needed = shift_left(loss_mask, 1).bool()  # (B, T): row r -> loss_mask[r+1]
+        target_p, in_vocab, argmax_draft = draft_vocab_targets(
+            target_logits[needed], self.t2d, self.config.draft_vocab_size)  # (N', Vd), (N',) x2
+        scored = torch.zeros_like(needed)
+        scored[needed] = in_vocab  # (B, T)
+        rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
+        return rows, (target_p[in_vocab], argmax_draft[in_vocab])
 
     # ---- inference: the same computation one step at a time with a real KV cache -------------
 

@@ -16,7 +16,8 @@ def draft_vocab_ids(t2d: Tensor, draft_vocab_size: int) -> Tensor:
 
 @torch.no_grad()
 def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: int):
-    """target_logits (B, T, V) -> what the EAGLE-3 loss needs from the target, per position:
+    """target_logits (B, T, V) (or any leading shape, e.g. (N, V) gathered rows) -> what the
+    EAGLE-3 loss needs from the target, per position:
         target_p (B, T, Vd) float32 = softmax(target_logits[..., used])  renormalised over the vocab
         in_vocab (B, T) bool        = t2d[argmax_V target_logits]        FULL-vocab argmax is kept
         argmax_draft (B, T) long    = draft id of that argmax (meaningful where in_vocab)"""
@@ -31,6 +32,8 @@ def soft_cross_entropy(draft_logits: Tensor, target_p: Tensor, in_vocab: Tensor,
                        argmax_draft: Tensor, loss_mask: Tensor, *,
                        num_positions: int | Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """draft_logits (B, T, Vd); the other inputs from `draft_vocab_targets`; loss_mask (B, T) 0/1.
+    Any leading shape works, e.g. (M, Vd) rows gathered at the counted positions only (with an
+    all-ones mask): the sums, hence loss, accuracy and gradients, are the same.
         counted_t = loss_mask_t and in_vocab_t
         loss = sum_t counted_t * (-sum_d target_p_td log_softmax(draft_logits_t)_d) / num_positions
                (num_positions defaults to count = sum_t counted_t: the mean over counted positions)
