@@ -1,4 +1,6 @@
+import importlib.util
 import os
+from pathlib import Path
 
 # Torch's OpenMP threads spin-wait; on a 2-core machine shared with other processes one thread per
 # test process is fastest and keeps timings stable.
@@ -10,6 +12,17 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from drafters.tiny import build_tiny_target  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str):
+    """Import an entry script (train/*.py, eval/*.py: not a package) as a module, for in-process tests."""
+    path = ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

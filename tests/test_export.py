@@ -1,8 +1,6 @@
-import importlib.util
 import json
 import shutil
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +12,10 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.export import ExportError, export_checkpoint
 from drafters.export_check import ExportCheckError, check_export
 from drafters.targets import load_target
+from conftest import load_script  # tests/ is on sys.path under pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "export_cli", Path(__file__).resolve().parents[1] / "eval" / "export.py")
-export_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_cli)
-main = export_cli.main
+
+main = load_script("eval/export.py").main
 
 DRAFT_VOCAB = 64
 

@@ -1,12 +1,12 @@
 """Every recipe in the repository loads with the schema of the script its first line launches."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
 from drafters.recipe import load_recipe
+from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -14,10 +14,7 @@ LAUNCH = re.compile(r"^# (?:accelerate launch(?: --\S+(?: \S+)?)*|python) ((?:tr
 
 
 def script_schema(script: str):
-    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.Recipe
+    return load_script(script).Recipe
 
 
 def test_there_are_recipes():

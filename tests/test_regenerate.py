@@ -1,9 +1,10 @@
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny_regenerate.yaml")
@@ -13,10 +14,7 @@ IDS = ["t0", "t1", "t2", "tiny_prompts.jsonl:4", "t4"]
 
 @pytest.fixture(scope="module")
 def regenerate():
-    spec = importlib.util.spec_from_file_location("regenerate", ROOT / "train" / "regenerate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train/regenerate.py")
 
 
 def run(regenerate, output, *overrides):

@@ -1,9 +1,7 @@
 """eval/tau.py end to end on a tiny target, in-process; bad inputs fail clearly and write no JSON."""
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +9,9 @@ import torch
 from drafters.benches import BenchItem
 from drafters.decoding import RoundStats
 from drafters.sampling import SamplingConfig
+from conftest import load_script  # tests/ is on sys.path under pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("tau", ROOT / "eval" / "tau.py")
-tau = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tau)
+tau = load_script("eval/tau.py")
 
 FIELDS = {"target", "proposer", "bench", "tree", "tree_budget", "sampling", "max_new_tokens",
           "num_prompts", "skipped", "rounds", "tau", "per_depth_acceptance", "baseline",

@@ -1,7 +1,6 @@
 """train/eagle.py on the tiny recipe: golden losses, frozen target, checkpoint round trip, metrics,
 recipe validation."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,6 +12,7 @@ from drafters.checkpoint import load_checkpoint
 from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter
 from drafters.recipe import RecipeError
 from drafters.tiny import build_tiny_target
+from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "eagle3_tiny.yaml")
@@ -30,10 +30,7 @@ GOLDEN_LOSSES = [2.451293468475342, 3.0046067237854004, 3.2992544174194336,
 
 @pytest.fixture(scope="module")
 def eagle():
-    spec = importlib.util.spec_from_file_location("train_eagle", ROOT / "train" / "eagle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train/eagle.py")
 
 
 @pytest.fixture(scope="module")
