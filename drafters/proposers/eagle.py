@@ -191,7 +191,11 @@ def sibling_order(shape: TreeShape) -> TreeShape:
 
 
 def load_eagle_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
-    ckpt = load_checkpoint(Path(path), family="eagle3")
+    return eagle_proposer_from_checkpoint(load_checkpoint(Path(path), family="eagle3"), target, tree_spec, seed=seed)
+
+
+def eagle_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
+    # ckpt: an already loaded eagle3 drafters.checkpoint.Checkpoint (read once by the caller)
     check_target(ckpt, target)
     try:
         config = Eagle3Config(**ckpt.config)

@@ -19,7 +19,7 @@ from drafters.checkpoint import CONFIG_FILE, check_target
 from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.proposers import PROPOSERS
 from drafters.proposers.draft_model import DraftModelProposer
-from drafters.proposers.eagle import load_eagle_proposer
+from drafters.proposers.eagle import eagle_proposer_from_checkpoint
 from drafters.proposers.prompt_lookup import PromptLookupProposer
 from drafters.tree import ChainSpec, DynamicSpec, TreeSpec
 
@@ -29,7 +29,7 @@ PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<targe
 # native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
 # match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
 FAMILY_LOADERS: dict[str, Callable] = {
-    "eagle3": lambda checkpoint, target, tree: load_eagle_proposer(checkpoint.path, target, tree),
+    "eagle3": eagle_proposer_from_checkpoint,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before.
