@@ -20,7 +20,6 @@ processes. Knows nothing about decoding trees or export formats.
 import json
 import math
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -31,37 +30,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from drafters.checkpoint import save_checkpoint, target_info
-from drafters.data import Example, build_examples, collate
+from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.recipe import RecipeError, load_recipe, to_dict
 from drafters.targets import Target, load_target
-
-
-@dataclass
-class Data:
-    path: str  # JSON / JSONL file, save_to_disk folder or Hugging Face dataset name (drafters.data)
-    fmt: Literal["auto", "sharegpt", "openai", "text"] = "auto"
-    split: str = "train"
-    max_length: int = 2048  # tokens; longer conversations are cut
-    limit: int | None = None  # read the first N usable rows only
-    eval_rows: int | None = None  # held-out rows; overrides eval_fraction
-    eval_fraction: float = 0.02
-    seed: int = 0  # of the train / held-out split
-
-
-@dataclass
-class Optim:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 0  # linear from lr / warmup_steps up to lr
-    schedule: Literal["cosine", "constant"] = "cosine"  # after warmup; cosine decays to 0
-    max_grad_norm: float | None = 0.5  # null = no clipping (the norm is still logged)
+from drafters.training import (Data, MetricsLog, Optim, length_sorted_batches, load_examples, lr_factor, pad_id,
+                               plan_steps, train_loader)
 
 
 @dataclass
@@ -172,25 +150,6 @@ def check(recipe: Recipe) -> None:
 # ---- set-up ---------------------------------------------------------------------------------------
 
 
-def load_examples(recipe: Recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
-    data = recipe.data
-    examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,
-                                      fmt=data.fmt, split=data.split, limit=data.limit)
-    say(report.summary())
-    num_held_out = data.eval_rows if data.eval_rows is not None else round(len(examples) * data.eval_fraction)
-    if num_held_out >= len(examples):
-        raise RecipeError(f"data.eval_rows / eval_fraction hold out {num_held_out} of the {len(examples)} "
-                          "usable examples, leaving none to train on; lower them")
-    # The split is a permutation by data.seed of the usable examples: the same file, max_length and
-    # limit give the same held-out rows whatever the training seed.
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
-    held_out = [examples[i] for i in sorted(order[:num_held_out])]
-    train_rows = [examples[i] for i in sorted(order[num_held_out:])]
-    say(f"eagle: {len(train_rows)} training examples ({sum(map(num_tokens, train_rows))} tokens), "
-        f"{len(held_out)} held out")
-    return train_rows, held_out
-
-
 def build_drafter(recipe: Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
     config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers)
     drafter = Eagle3Drafter(config, vocab).to(target.device)
@@ -215,71 +174,6 @@ def target_inputs(target: Target, aux_layers: list[int], batch: dict, dtype: tor
     """-> fused features (B, T, n*h) in the drafter's dtype, target logits (B, T, V); no grad."""
     out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=True)
     return fuse_features(out.hidden_states, aux_layers).to(dtype), out.logits
-
-
-def pad_id(target: Target) -> int:
-    tokenizer = target.tokenizer
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(target.eos_token_ids)
-
-
-def num_tokens(example: Example) -> int:
-    return len(example.input_ids)
-
-
-class LengthBuckets:
-    """Batches of similar lengths, so padding stays small. Each pass shuffles the rows, sorts every
-    window of `window` batches by length, cuts it into batches and shuffles the batch order. Pass n
-    draws from seed + n: every process of a multi-process run sees the same batches."""
-
-    drop_last = False  # read by accelerate when it shards batches over processes
-
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, window: int = 64):
-        self.lengths, self.batch_size, self.seed, self.window = lengths, batch_size, seed, window
-        self.passes = 0
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.batch_size)
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.passes)
-        self.passes += 1
-        order = torch.randperm(len(self.lengths), generator=generator).tolist()
-        span, batches = self.batch_size * self.window, []
-        for start in range(0, len(order), span):
-            rows = sorted(order[start:start + span], key=self.lengths.__getitem__)
-            batches += [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        for i in torch.randperm(len(batches), generator=generator).tolist():
-            yield batches[i]
-
-
-def train_loader(recipe: Recipe, rows: list[Example], pad: int) -> DataLoader:
-    sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
-    return DataLoader(rows, batch_sampler=sampler, collate_fn=partial(collate, pad_id=pad))
-
-
-def length_sorted_batches(rows: list[Example], batch_size: int) -> list[list[Example]]:
-    rows = sorted(rows, key=num_tokens)
-    return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
-
-
-def plan_steps(recipe: Recipe, batches_per_epoch: int) -> int:
-    # Micro-batches left over at the end of an epoch start the next epoch's first step.
-    by_epochs = None if recipe.epochs is None else recipe.epochs * batches_per_epoch // recipe.grad_accum
-    total = min(s for s in (by_epochs, recipe.max_steps) if s is not None)
-    if total < 1:
-        raise RecipeError(f"{batches_per_epoch} batches per epoch x epochs={recipe.epochs} is less than one "
-                          f"optimizer step of grad_accum={recipe.grad_accum} batches; use more data or epochs")
-    return total
-
-
-def lr_factor(optim: Optim, total_steps: int, step: int) -> float:
-    # step counts optimizer steps from 0; the lr of step s is optim.lr * lr_factor(s)
-    if step < optim.warmup_steps:
-        return (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
-        return 1.0
-    progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -386,44 +280,6 @@ class Run:
                 f.write(json.dumps(result) + "\n")
         self.accelerator.wait_for_everyone()
         return result
-
-
-class MetricsLog:
-    """Per-step metric tensors, written to metrics.jsonl at flushes: one host sync per flush."""
-
-    def __init__(self, path: Path, write: bool):
-        self.path, self.write, self.pending, self.losses = path, write, [], []
-        self.tokens_total, self.window_start, self.start = 0, time.perf_counter(), time.perf_counter()
-        if write:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
-
-    def add(self, step: int, acc: dict, grad_norm: Tensor, lr: float) -> None:
-        self.pending.append((step, lr, acc, torch.as_tensor(grad_norm).detach().float()))
-
-    def flush(self, reduce_tokens) -> str:
-        """Writes the pending rows; tokens_per_s is the rate over the steps since the last flush."""
-        tokens = reduce_tokens(torch.stack([acc["tokens"] for _, _, acc, _ in self.pending]))
-        stacked = {k: torch.stack([acc[k].float() for _, _, acc, _ in self.pending]).tolist()
-                   for k in ("loss", "step_losses", "correct", "counted")}
-        grad_norms = torch.stack([g.to(tokens.device) for *_, g in self.pending]).tolist()
-        tokens = tokens.tolist()
-        now = time.perf_counter()
-        rate = sum(tokens) / max(now - self.window_start, 1e-9)
-        rows = []
-        for i, (step, lr, _, _) in enumerate(self.pending):
-            accuracy = [c / max(n, 1) for c, n in zip(stacked["correct"][i], stacked["counted"][i])]
-            rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["step_losses"][i],
-                         "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
-                         "tokens_per_s": rate, "elapsed_s": now - self.start})
-        if self.write:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-        self.losses += stacked["loss"]
-        self.tokens_total += sum(tokens)
-        self.pending, self.window_start = [], now
-        last = rows[-1]
-        return f"loss {last['loss']:.3f} acc0 {last['step_acc'][0]:.2f} {rate:.0f} tok/s"
 
 
 # ---- held-out evaluation --------------------------------------------------------------------------
