@@ -24,6 +24,13 @@ Reported (and written atomically as JSON with --json):
                time per generated token), the draft cost per token in target forwards
 A prompt whose tokens + max_new_tokens + tree depth exceed the target's context is a counted
 skip (with the rest of that item's turns), not an error.
+
+Large benches on a GPU: `--shard I/N` evaluates bench items I, I+N, I+2N, ... so N processes can
+share one device; `--merge A.json B.json ... --json all.json` combines their reports (the raw
+per-round counts travel in each JSON, so the merged tau and per-depth acceptance are exact, not
+averages of averages). `--no-baseline` (temperature 0 only) skips `generate`: turn 2 then follows
+the speculative turn-1 answer, which is the same text whenever the decoder is lossless, and no
+speed or greedy check is reported; use it for tau sweeps, and measure speed without it.
 """
 
 import argparse
@@ -64,6 +71,16 @@ def parse_args(argv):
     p.add_argument("--adaptive", action="store_true",
                    help="chain proposers: +2 after a fully accepted round, -1 otherwise")
     p.add_argument("--json", default=None, help="write the results here (atomically)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu) | cpu | cuda[:N]")
+    p.add_argument("--shard", default=None, help="I/N: only bench items with index %% N == I")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="temperature 0 only: skip generate (tau sweeps); no speed or greedy check")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="combine the --json reports of the shards of one run (needs only --json)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--merge" in argv:  # the evaluation's required options do not apply
+        for action in p._actions:
+            action.required = False
     return p.parse_args(argv)
 
 
@@ -81,18 +98,22 @@ class Run:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json)
     tree, sampling, items = check_inputs(args)  # fail fast, before any model is loaded
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         target = load_target(args.target, dtype=args.dtype)
+        args.device_used = str(device(args.device))
+        target.model.to(args.device_used)
         proposer = load_proposer(args.proposer, target, tree)
         if args.adaptive:
             proposer = AdaptiveChain(proposer)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"tau: {error}") from None
     run = Run()
-    for index, item in enumerate(items):
+    for index, item in items:
         evaluate_item(target, proposer, item, index, args, tree, sampling, run)
     if not run.prompts:
         raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
@@ -115,12 +136,31 @@ def check_inputs(args):
     try:
         tree = parse_tree_spec(args.tree)
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed)
-        items = load_bench(args.bench, limit=args.limit)
+        items = list(enumerate(load_bench(args.bench, limit=args.limit)))  # (bench index, item)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"tau: {error}") from None
     if args.adaptive and not isinstance(tree, ChainSpec):
         raise SystemExit(f"tau: --adaptive needs a chain tree spec (chain:K), got {args.tree!r}")
+    if args.no_baseline and args.temperature > 0:
+        raise SystemExit("tau: --no-baseline needs --temperature 0 (sampled turn-2 prompts would differ)")
+    if args.shard is not None:
+        index, slash, count = args.shard.partition("/")
+        if not (slash and index.isdigit() and count.isdigit() and int(index) < int(count)):
+            raise SystemExit(f"tau: --shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+        items = items[int(index)::int(count)]  # items keep their bench index, so their seeds too
     return tree, sampling, items
+
+
+def device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"tau: --device {name!r}: expected auto, cpu or cuda[:N]") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tau: --device cuda but torch sees no CUDA device; use --device cpu")
+    return chosen
 
 
 def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling, run: Run):
@@ -134,10 +174,12 @@ def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling
                                 "needed_positions": needed, "context": target.max_position_embeddings})
             return
         seed = args.seed + 1000 * index + turn
-        base, base_s = baseline(target, prompt, args.max_new_tokens, sampling, seed)
+        base, base_s = (None, 0.0) if args.no_baseline else baseline(target, prompt, args.max_new_tokens,
+                                                                      sampling, seed)
         spec, stats, spec_s = speculative(target, proposer, prompt, args.max_new_tokens, sampling, seed)
         record(run, item, turn, prompt, base, base_s, spec, stats, spec_s, sampling)
-        answer = target.tokenizer.decode(base[prompt.numel():].tolist(), skip_special_tokens=True)
+        answer = target.tokenizer.decode((spec if base is None else base)[prompt.numel():].tolist(),
+                                         skip_special_tokens=True)
         history += [{"role": "user", "content": item.turns[turn]},
                     {"role": "assistant", "content": answer}]
 
@@ -170,7 +212,7 @@ def speculative(target, proposer, prompt, max_new_tokens, sampling, seed):
 
 def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, spec_s, sampling):
     n = prompt.numel()
-    run.base_tokens += base.numel() - n
+    run.base_tokens += 0 if base is None else base.numel() - n
     run.base_s += base_s
     run.spec_tokens += spec.numel() - n
     run.spec_s += spec_s
@@ -183,7 +225,7 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
     total.verify_s += stats.verify_s
     total.other_s += stats.other_s
     match = None
-    if sampling.greedy:
+    if sampling.greedy and base is not None:
         match = torch.equal(base, spec)
         if not match:
             first = next((i for i, (a, b) in enumerate(zip(base[n:], spec[n:])) if a != b),
@@ -192,7 +234,7 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
             print(f"!!! MISMATCH: bench item {item.id} turn {turn + 1}: speculative output differs "
                   f"from generate at new token {first} (a decoder or proposer bug)", file=sys.stderr)
     run.prompts.append({"id": item.id, "turn": turn + 1, "category": item.category,
-                        "prompt_tokens": n, "baseline_tokens": base.numel() - n,
+                        "prompt_tokens": n, "baseline_tokens": None if base is None else base.numel() - n,
                         "speculative_tokens": spec.numel() - n, "rounds": stats.num_rounds,
                         "tau": stats.tau, "match": match})
 
@@ -228,6 +270,7 @@ def summarize(run: Run, args, target, tree) -> dict:
     target_s_per_token = run.base_s / max(run.base_tokens, 1)
     c = (stats.draft_s / rounds) / k / target_s_per_token if k > 0 and target_s_per_token else 0.0
     budget = tree_budget(tree)
+    measured = run.base_tokens > 0  # False with --no-baseline
     return {
         "target": target.name, "proposer": args.proposer, "bench": args.bench, "tree": args.tree,
         "tree_budget": {"draft_nodes_excl_root": budget, "nodes_incl_root": budget + 1},
@@ -235,24 +278,74 @@ def summarize(run: Run, args, target, tree) -> dict:
         "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                      "seed": args.seed},
         "max_new_tokens": args.max_new_tokens, "limit": args.limit, "adaptive": args.adaptive,
+        "shard": args.shard, "no_baseline": args.no_baseline, "device": args.device_used,
         "threads": torch.get_num_threads(),
         "num_prompts": len(run.prompts), "skipped": run.skipped,
         "rounds": stats.num_rounds, "tau": stats.tau, "per_depth_acceptance": per_depth,
         "baseline": {"tokens": run.base_tokens, "seconds": run.base_s, "tokens_per_s": base_tps},
         "speculative": {"tokens": run.spec_tokens, "seconds": run.spec_s, "tokens_per_s": spec_tps},
-        "speedup": spec_tps / base_tps if base_tps else 0.0,
+        "speedup": spec_tps / base_tps if measured else None,
         "time_per_round_ms": {"draft": 1e3 * stats.draft_s / rounds,
                               "verify": 1e3 * stats.verify_s / rounds,
                               "other": 1e3 * stats.other_s / rounds},
         "model": {"k_mean_depth": k, "a_from_tau": a,
                   "a_mean_per_depth": sum(per_depth) / len(per_depth) if per_depth else 0.0,
                   "c_draft_over_target_per_token": c,
-                  "expected_speedup": expected_speedup(a, k, c) if k > 0 else 1.0},
-        "greedy_check": None if args.temperature > 0 else {
+                  "expected_speedup": (expected_speedup(a, k, c) if k > 0 else 1.0) if measured else None},
+        "greedy_check": None if args.temperature > 0 or not measured else {
             "checked": len(run.prompts), "mismatches": len(run.mismatches),
             "mismatched": run.mismatches},
         "per_prompt": run.prompts,
+        # every round, so shards merge exactly (--merge)
+        "raw": {"accepted": stats.accepted, "tree_sizes": stats.tree_sizes, "tree_depths": stats.tree_depths,
+                "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+                "other_s": stats.other_s, "mismatches": run.mismatches},
     }
+
+
+def merge(paths: list[str], out: str | None) -> dict:
+    """One report from the reports of the shards of one run (same target, proposer, tree, sampling)."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as error:
+            raise SystemExit(f"tau --merge: cannot read {path}: {error}") from None
+    same = ("target", "proposer", "bench", "tree", "sampling", "max_new_tokens", "adaptive", "no_baseline")
+    for path, r in zip(paths[1:], reports[1:]):
+        if "raw" not in r:
+            raise SystemExit(f"tau --merge: {path} has no per-round counts ('raw'); rerun it with this version")
+        differ = [f"{k}: {r.get(k)!r} vs {reports[0].get(k)!r}" for k in same if r.get(k) != reports[0].get(k)]
+        if differ:
+            raise SystemExit(f"tau --merge: {path} is not a shard of the same run as {paths[0]}: "
+                             + "; ".join(differ))
+    run = Run()
+    for r in reports:
+        raw = r["raw"]
+        run.stats.accepted += raw["accepted"]
+        run.stats.tree_sizes += raw["tree_sizes"]
+        run.stats.tree_depths += raw["tree_depths"]
+        for key in ("prefill_s", "draft_s", "verify_s", "other_s"):
+            setattr(run.stats, key, getattr(run.stats, key) + raw[key])
+        run.base_tokens += r["baseline"]["tokens"]
+        run.base_s += r["baseline"]["seconds"]
+        run.spec_tokens += r["speculative"]["tokens"]
+        run.spec_s += r["speculative"]["seconds"]
+        run.prompts += r["per_prompt"]
+        run.skipped += r["skipped"]
+        run.mismatches += raw["mismatches"]
+    first = reports[0]
+    args = argparse.Namespace(
+        proposer=first["proposer"], bench=first["bench"], tree=first["tree"], max_new_tokens=first["max_new_tokens"],
+        limit=first["limit"], adaptive=first["adaptive"], no_baseline=first["no_baseline"],
+        device_used=first["device"], shard=f"merged {len(reports)}", temperature=first["sampling"]["temperature"],
+        top_k=first["sampling"]["top_k"], top_p=first["sampling"]["top_p"], seed=first["sampling"]["seed"])
+    report = summarize(run, args, argparse.Namespace(name=first["target"]), parse_tree_spec(first["tree"]))
+    report["threads"] = first["threads"]
+    print_report(report)
+    if out:
+        write_json_atomic(Path(out), report)
+    return report
 
 
 def print_report(r: dict) -> None:
@@ -275,10 +368,10 @@ def print_report(r: dict) -> None:
                               f"({r['baseline']['tokens']} tokens, {r['baseline']['seconds']:.1f} s)"),
         ("speculative", f"{r['speculative']['tokens_per_s']:.2f} tok/s "
                         f"({r['speculative']['tokens']} tokens, {r['speculative']['seconds']:.1f} s)"),
-        ("speedup (measured)", f"{r['speedup']:.2f}x"),
+        ("speedup (measured)", "not measured (--no-baseline)" if r["speedup"] is None else f"{r['speedup']:.2f}x"),
         ("per round (ms)", f"draft {times['draft']:.1f}, verify {times['verify']:.1f}, "
                            f"bookkeeping {times['other']:.1f}"),
-        ("speedup (formula)", f"{model['expected_speedup']:.2f}x with k={model['k_mean_depth']:.2f}, "
+        ("speedup (formula)", f"{model['expected_speedup'] or 0:.2f}x with k={model['k_mean_depth']:.2f}, "
                               f"a={model['a_from_tau']:.3f} (from tau; mean per-depth "
                               f"{model['a_mean_per_depth']:.3f}), "
                               f"c={model['c_draft_over_target_per_token']:.3f}"),

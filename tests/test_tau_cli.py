@@ -140,3 +140,34 @@ def test_a_trained_eagle3_checkpoint_is_a_proposer(bench, tmp_path):
     report = run(bench, tmp_path / "e3.json", "--proposer", str(tmp_path / "eagle3"), "--tree",
                  "dynamic:total=6,depth=3,topk=2")
     assert report["greedy_check"]["mismatches"] == 0 and report["rounds"] > 0
+
+
+def test_shards_merge_to_the_unsharded_run(bench, tmp_path):
+    # --shard splits bench items; --merge must give exactly the unsharded tau and per-depth rates
+    limit = ["--limit", "3", "--proposer", "prompt-lookup", "--tree", "chain:3"]
+    whole = run(bench, tmp_path / "whole.json", *limit)
+    parts = [run(bench, tmp_path / f"part{i}.json", *limit, "--shard", f"{i}/2", "--no-baseline")
+             for i in range(2)]
+    assert [p["num_prompts"] for p in parts] == [2, 2]  # items 0, 2 | item 1 (two turns)
+    assert all(p["speedup"] is None and p["greedy_check"] is None for p in parts)
+    merged = tau.main(["--merge", str(tmp_path / "part0.json"), str(tmp_path / "part1.json"),
+                       "--json", str(tmp_path / "merged.json")])
+    assert merged["rounds"] == whole["rounds"]
+    assert merged["tau"] == pytest.approx(whole["tau"], abs=1e-12)
+    assert merged["per_depth_acceptance"] == pytest.approx(whole["per_depth_acceptance"], abs=1e-12)
+    assert sorted((p["id"], p["turn"], p["rounds"]) for p in merged["per_prompt"]) == \
+        sorted((p["id"], p["turn"], p["rounds"]) for p in whole["per_prompt"])
+
+
+def test_merge_refuses_reports_of_different_runs(bench, tmp_path):
+    run(bench, tmp_path / "a.json", "--proposer", "prompt-lookup", "--tree", "chain:3", "--no-baseline")
+    run(bench, tmp_path / "b.json", "--proposer", "prompt-lookup", "--tree", "chain:4", "--no-baseline")
+    with pytest.raises(SystemExit, match="not a shard of the same run.*tree"):
+        tau.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+
+
+@pytest.mark.parametrize("extra, message", [(["--shard", "2/2"], "--shard"),
+                                            (["--no-baseline", "--temperature", "1"], "--no-baseline")])
+def test_bad_shard_and_baseline_options(bench, tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        run(bench, tmp_path / "x.json", "--proposer", "prompt-lookup", *extra)
