@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 FORMAT = "drafters/1"
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 # What a drafter must agree on with the target it runs against (see `check_target`).
-TARGET_FIELDS = ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+TARGET_FIELDS = ("model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
 
 
 class CheckpointError(ValueError):

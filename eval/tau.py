@@ -66,6 +66,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="first N bench items")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-turns", type=int, default=None, help="ask at most the first N turns of each item")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--adaptive", action="store_true",
@@ -131,6 +132,8 @@ def main(argv=None) -> dict:
 def check_inputs(args):
     if not args.temperature >= 0:
         raise SystemExit(f"tau: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.max_turns is not None and args.max_turns < 1:
+        raise SystemExit(f"tau: --max-turns must be >= 1, got {args.max_turns}")
     if args.max_new_tokens < 1:
         raise SystemExit(f"tau: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
@@ -165,7 +168,7 @@ def device(name: str) -> torch.device:
 
 def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling, run: Run):
     history = []
-    for turn in range(len(item.turns)):
+    for turn in range(min(len(item.turns), args.max_turns or len(item.turns))):
         prompt = torch.tensor(render_prompt(target.tokenizer, item, history), dtype=torch.long)
         depth = AdaptiveChain.max_depth if args.adaptive else tree_depth(tree)
         needed = prompt.numel() + args.max_new_tokens + depth
@@ -277,7 +280,8 @@ def summarize(run: Run, args, target, tree) -> dict:
         "mean_tree_nodes_incl_root": sum(stats.tree_sizes) / rounds,
         "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                      "seed": args.seed},
-        "max_new_tokens": args.max_new_tokens, "limit": args.limit, "adaptive": args.adaptive,
+        "max_new_tokens": args.max_new_tokens, "max_turns": args.max_turns, "limit": args.limit,
+        "adaptive": args.adaptive,
         "shard": args.shard, "no_baseline": args.no_baseline, "device": args.device_used,
         "threads": torch.get_num_threads(),
         "num_prompts": len(run.prompts), "skipped": run.skipped,
@@ -311,7 +315,8 @@ def merge(paths: list[str], out: str | None) -> dict:
             reports.append(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as error:
             raise SystemExit(f"tau --merge: cannot read {path}: {error}") from None
-    same = ("target", "proposer", "bench", "tree", "sampling", "max_new_tokens", "adaptive", "no_baseline")
+    same = ("target", "proposer", "bench", "tree", "sampling", "max_new_tokens", "max_turns", "adaptive",
+            "no_baseline")
     for path, r in zip(paths[1:], reports[1:]):
         if "raw" not in r:
             raise SystemExit(f"tau --merge: {path} has no per-round counts ('raw'); rerun it with this version")
@@ -337,6 +342,7 @@ def merge(paths: list[str], out: str | None) -> dict:
     first = reports[0]
     args = argparse.Namespace(
         proposer=first["proposer"], bench=first["bench"], tree=first["tree"], max_new_tokens=first["max_new_tokens"],
+        max_turns=first["max_turns"],
         limit=first["limit"], adaptive=first["adaptive"], no_baseline=first["no_baseline"],
         device_used=first["device"], shard=f"merged {len(reports)}", temperature=first["sampling"]["temperature"],
         top_k=first["sampling"]["top_k"], top_p=first["sampling"]["top_p"], seed=first["sampling"]["seed"])

@@ -68,3 +68,11 @@ def test_target_mismatch_is_refused(tmp_path):
     save(tmp_path / "d", target=wrong)
     with pytest.raises(CheckpointError, match=r"hidden_size: checkpoint 576 vs target 64; vocab_size: checkpoint 49152 vs target 259"):
         check_target(load_checkpoint(tmp_path / "d"), llama)
+
+
+def test_same_shapes_but_another_architecture_is_refused(tmp_path):
+    # the tiny Llama and Gemma-3 share layers, hidden size, vocab and context: only model_type tells
+    llama, gemma = load_target("tiny-random-llama"), load_target("tiny-random-gemma3")
+    save(tmp_path / "c", target=target_info(llama))
+    with pytest.raises(CheckpointError, match="model_type: checkpoint llama vs target gemma3"):
+        check_target(load_checkpoint(tmp_path / "c"), gemma)

@@ -1,0 +1,167 @@
+"""Side-by-side comparison of drafter families on one target, as a report with plots.
+
+    python eval/compare.py --target smollm2-135m-instruct \
+        --drafters runs/eagle3/checkpoint-final runs/medusa/checkpoint-final \
+        --baselines prompt-lookup --bench mt_bench,humaneval --temperature 0,1 \
+        --tree dynamic:total=60,depth=6,topk=10 --sweep chain:3 --sweep dynamic:total=20,depth=5,topk=4 \
+        --out report/
+
+Every drafter is evaluated by the same decoder (eval/tau.py, in this process) on the same prompts:
+one run per drafter x bench x temperature at `--tree`, plus, at the first bench and temperature,
+one run per `--sweep` tree for the speedup-vs-budget plot. Each run's JSON lands in
+out/runs/ and is reused when the command is repeated with the same settings (an interrupted
+comparison resumes; delete a JSON to redo it). Training budgets and curves are read from each
+checkpoint's drafter.json and the metrics.jsonl of its run directory. The report is
+out/index.md with PNG plots beside it (drafters.report).
+
+Refused with a clear error, before anything runs: a drafter directory that is not a checkpoint,
+drafters trained for different targets, or for another target than --target.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # eval/tau.py, run in-process
+
+import tau
+
+from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, target_info
+from drafters.report import Entry, render
+from drafters.targets import load_target
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
+    p.add_argument("--drafters", nargs="*", default=[], help="trained checkpoint directories")
+    p.add_argument("--baselines", default="", help="comma-separated untrained proposers, e.g. prompt-lookup")
+    p.add_argument("--bench", default="mt_bench", help="comma-separated: mt_bench, humaneval or JSONL paths")
+    p.add_argument("--temperature", default="0", help="comma-separated temperatures")
+    p.add_argument("--tree", default="dynamic:total=60,depth=6,topk=10", help="tree spec of the main runs")
+    p.add_argument("--sweep", action="append", default=[], help="tree spec for the speedup-vs-budget plot "
+                                                                  "(repeat the option)")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each bench")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-speed", action="store_true", help="skip generate in the main runs (tau only)")
+    p.add_argument("--out", required=True, help="report directory")
+    args = p.parse_args(argv)
+    args.benches = [b for b in args.bench.split(",") if b]
+    args.baseline_specs = [b for b in args.baselines.split(",") if b]
+    try:
+        args.temperatures = [float(t) for t in args.temperature.split(",") if t]
+    except ValueError:
+        p.error(f"--temperature {args.temperature!r}: expected comma-separated numbers, e.g. 0,1")
+    if not args.drafters and not args.baseline_specs:
+        p.error("nothing to compare: give --drafters and/or --baselines")
+    if args.no_speed and (len(args.temperatures) > 1 or args.temperatures[0] > 0):
+        p.error("--no-speed works at temperature 0 only")
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    entries = [checkpoint_entry(Path(d)) for d in args.drafters]
+    check_same_target(entries, args.target)
+    entries += [Entry(label=spec, family="baseline", source=spec) for spec in args.baseline_specs]
+    unique_labels(entries)
+    out = Path(args.out)
+    for entry in entries:
+        for bench in args.benches:
+            for temperature in args.temperatures:
+                entry.runs.append(evaluate(entry, args, bench, temperature, args.tree, out, speed=not args.no_speed))
+        for spec in args.sweep:
+            entry.sweep.append(evaluate(entry, args, args.benches[0], args.temperatures[0], spec, out, speed=True))
+    settings = [f"target: `{args.target}`", f"benches: {', '.join(args.benches)}"
+                + (f" (first {args.limit} items)" if args.limit else ""),
+                f"max_new_tokens {args.max_new_tokens}" + (f", first {args.max_turns} turn(s)" if args.max_turns else ""),
+                f"main tree: `{args.tree}`", "tau = mean over rounds of accepted draft tokens + 1 (bonus)",
+                "speedup = speculative tokens/s over plain `generate` tokens/s, same process, batch 1"]
+    index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings)
+    print(f"compare: wrote {index}")
+    return index
+
+
+def checkpoint_entry(path: Path) -> Entry:
+    meta_path = path / CONFIG_FILE
+    if not meta_path.is_file():
+        raise SystemExit(f"compare: {path} is not a drafter checkpoint (no {CONFIG_FILE}); pass the "
+                         "checkpoint-final directory a training run wrote")
+    meta = json.loads(meta_path.read_text())
+    run_dir = path.parent
+    name = run_dir.name if path.name.startswith("checkpoint") else path.name
+    extra = meta.get("extra", {})
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    training = {"steps": extra.get("step", 0), "tokens": extra.get("tokens", 0),
+                "wall_s": metrics[-1].get("elapsed_s") if metrics else None}
+    return Entry(label=f"{meta['family']}:{name}", family=meta["family"], source=str(path), metrics=metrics,
+                 training=training, target=meta.get("target", {}))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"compare: {path}:{number}: not JSON, skipped", file=sys.stderr)
+    return rows
+
+
+def check_same_target(entries: list[Entry], target_name: str) -> None:
+    if not entries:
+        return
+    fields = ("name", *TARGET_FIELDS)
+    first = entries[0]
+    for entry in entries[1:]:
+        differ = [f"{k} {first.target.get(k)!r} vs {entry.target.get(k)!r}" for k in fields
+                  if first.target.get(k) != entry.target.get(k)]
+        if differ:
+            raise SystemExit(f"compare: {first.source} and {entry.source} were trained for different targets ("
+                             + "; ".join(differ) + "): a comparison needs one target")
+    have = target_info(load_target(target_name))
+    differ = [f"{k}: drafters {first.target.get(k)!r} vs --target {have[k]!r}" for k in TARGET_FIELDS
+              if first.target.get(k) != have[k]]
+    if differ:
+        raise SystemExit(f"compare: the drafters were trained for {first.target.get('name')!r}, not --target "
+                         f"{target_name!r}: " + "; ".join(differ))
+
+
+def unique_labels(entries: list[Entry]) -> None:
+    seen: dict[str, int] = {}
+    for entry in entries:
+        count = seen[entry.label] = seen.get(entry.label, 0) + 1
+        if count > 1:
+            entry.label = f"{entry.label}#{count}"
+
+
+def evaluate(entry: Entry, args, bench: str, temperature: float, tree: str, out: Path, *, speed: bool) -> dict:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{entry.label}-{Path(bench).stem}-t{temperature:g}-{tree}")
+    path = out / "runs" / f"{slug}.json"
+    argv = ["--target", args.target, "--proposer", entry.source, "--bench", bench, "--tree", tree,
+            "--temperature", str(temperature), "--max-new-tokens", str(args.max_new_tokens), "--json", str(path)]
+    argv += ["--limit", str(args.limit)] if args.limit else []
+    argv += ["--max-turns", str(args.max_turns)] if args.max_turns else []
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += [] if speed else ["--no-baseline"]
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        wanted = {"proposer": entry.source, "bench": bench, "tree": tree, "max_new_tokens": args.max_new_tokens,
+                  "max_turns": args.max_turns, "limit": args.limit}
+        if all(cached.get(k) == v for k, v in wanted.items()) and cached["sampling"]["temperature"] == temperature \
+                and cached.get("no_baseline") == (not speed):
+            print(f"compare: reusing {path}")
+            return cached
+    print(f"compare: {entry.label} on {bench}, temperature {temperature:g}, tree {tree}")
+    return tau.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""eval/compare.py renders the side-by-side report from tiny runs; bad comparisons fail clearly."""
+
+import json
+import re
+import shutil
+
+import matplotlib.image
+import pytest
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+
+compare = load_script("eval/compare.py")
+BENCH = "tests/data/tiny_prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "eagle3_tiny"
+    load_script("train/eagle.py").main(["recipes/eagle3_tiny.yaml", f"output_dir={out}", "max_steps=4",
+                                        "save_every=0", "eval_every=0"])
+    return out / "checkpoint-final"
+
+
+def run_compare(out, *drafters, target="tiny-random-llama", extra=()):
+    return compare.main(["--target", target, "--drafters", *map(str, drafters), "--baselines", "prompt-lookup",
+                         "--bench", BENCH, "--temperature", "0,1", "--tree", "chain:3", "--sweep", "chain:1",
+                         "--sweep", "dynamic:total=6,depth=3,topk=2", "--limit", "2", "--max-new-tokens", "12",
+                         "--threads", "1", "--out", str(out), *extra])
+
+
+def test_report_renders_with_one_row_per_run_and_decodable_plots(checkpoint, tmp_path):
+    index = run_compare(tmp_path / "report", checkpoint)
+    text = index.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| eagle3:") or line.startswith("| prompt-")]
+    main_rows = [r for r in rows if r.count("|") == 10]
+    assert len(main_rows) == 2 * 2  # 2 drafters x 1 bench x 2 temperatures
+    runs = sorted((tmp_path / "report" / "runs").glob("*.json"))
+    assert len(runs) == 2 * (2 + 2)  # + 2 sweep trees per drafter
+    # every table row's tau is the tau of the JSON it came from
+    by_label = {}
+    for path in runs:
+        report = json.loads(path.read_text())
+        if report["tree"] == "chain:3":
+            label = "prompt-lookup" if report["proposer"] == "prompt-lookup" else "eagle3:eagle3_tiny"
+            by_label[(label, report["sampling"]["temperature"])] = report["tau"]
+    for row in main_rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[5]) == pytest.approx(by_label[(cells[0], float(cells[3]))], abs=5e-4)
+    assert "4 steps" in text  # the training budget read from the checkpoint
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert sorted(images) == sorted(["tau_by_category-tiny_prompts-t0.png", "tau_by_category-tiny_prompts-t1.png",
+                                     "acceptance_by_depth-tiny_prompts-t0.png",
+                                     "acceptance_by_depth-tiny_prompts-t1.png",
+                                     "speedup_vs_budget.png", "training_curves.png"])
+    for name in images:
+        pixels = matplotlib.image.imread(tmp_path / "report" / name)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0  # drawn, not blank
+
+
+def test_a_repeated_comparison_reuses_its_runs(checkpoint, tmp_path, capsys):
+    run_compare(tmp_path / "report", checkpoint)
+    capsys.readouterr()
+    run_compare(tmp_path / "report", checkpoint)
+    assert capsys.readouterr().out.count("compare: reusing") == 2 * 4
+
+
+def test_drafters_for_different_targets_are_refused(checkpoint, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    meta = json.loads((other / "drafter.json").read_text())
+    meta["target"]["num_layers"] += 1
+    (other / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match="different targets.*num_layers"):
+        run_compare(tmp_path / "report", checkpoint, other)
+    assert not (tmp_path / "report").exists()  # refused before anything ran
+
+
+def test_wrong_target_and_non_checkpoints_are_refused(checkpoint, tmp_path):
+    with pytest.raises(SystemExit, match="not --target 'tiny-random-gemma3'"):
+        run_compare(tmp_path / "report", checkpoint, target="tiny-random-gemma3")
+    with pytest.raises(SystemExit, match="not a drafter checkpoint"):
+        run_compare(tmp_path / "report", tmp_path)
