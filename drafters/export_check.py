@@ -57,6 +57,17 @@ def check_export(path, fmt: str, *, target: dict | None = None,
     path = Path(path)
     if fmt == "native":
         return _check_native(path, target, reference, seed)
+    rebuilt_config, module_state, written, float_dtype = read_eagle3_export(path, fmt, target=target)
+    diffs = _compare(rebuilt_config, module_state, reference, path, seed, float_dtype)
+    return CheckReport(path, fmt, "eagle3", rebuilt_config.aux_layers, written, str(float_dtype),
+                       len(module_state), *diffs)
+
+
+def read_eagle3_export(path, fmt: str, *, target: dict | None = None):
+    """Reads and validates an sglang / vllm export -> (Eagle3Config with aux layers as HF
+    indices, state dict in Eagle3Drafter names, layer ids as written, float dtype). Also how
+    exported drafters (ours or another trainer's) are loaded to draft in the decoder."""
+    path = Path(path)
     if fmt not in READERS:
         raise ExportCheckError(f"unknown export format {fmt!r}: sglang, vllm or native")
     config = _read_json(path / "config.json")
@@ -67,12 +78,9 @@ def check_export(path, fmt: str, *, target: dict | None = None,
                                  config_dtype=geometry.pop("torch_dtype"))
     if target is not None:
         _check_against_target(geometry, aux_hf, target, path, engine=True)
-    rebuilt_config = Eagle3Config(**geometry, aux_layers=aux_hf)
     module_state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v
                     for k, v in tensors.items()}
-    diffs = _compare(rebuilt_config, module_state, reference, path, seed, float_dtype)
-    return CheckReport(path, fmt, "eagle3", aux_hf, written, str(float_dtype), len(tensors),
-                       *diffs)
+    return Eagle3Config(**geometry, aux_layers=aux_hf), module_state, written, float_dtype
 
 
 # ---- config readers: -> (Eagle3Config fields but aux_layers, aux layers as HF indices, as written)

@@ -235,3 +235,33 @@ def test_cli_end_to_end(tmp_path, ckpt, capsys):
     assert load_file(out / WEIGHTS)["fc.weight"].dtype == torch.bfloat16
     assert main([str(ckpt), "--format", "sglang", "--out", str(out)]) == 1  # exists: refused
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_exported_drafter_drafts_exactly_like_its_checkpoint(exports, ckpt, target, fmt):
+    # an export dir is a proposer spec too (eval/tau.py --proposer DIR): the same trees every round
+    from drafters.decoding import speculative_generate
+    from drafters.proposers.loading import load_proposer
+    from drafters.tree import parse_tree_spec
+
+    tree = parse_tree_spec("dynamic:total=8,depth=3,topk=2")
+    prompt = torch.tensor([5, 17, 99, 42, 7, 7, 130, 64])
+    runs = []
+    for source in (ckpt, exports[fmt]):
+        proposer = load_proposer(str(source), target, tree)
+        trees, propose = [], proposer.propose
+        proposer.propose = lambda *a: trees.append(propose(*a)) or trees[-1]  # record, then decode
+        out, _ = speculative_generate(target.model, proposer, prompt, max_new_tokens=16, eos_token_ids=set())
+        runs.append((out.tolist(), [(t.tokens.tolist(), t.parents.tolist()) for t in trees]))
+    assert runs[0] == runs[1]
+    assert len(runs[0][1]) >= 10 and all(len(tokens) == 9 for tokens, _ in runs[0][1])  # 8 drafts + root
+
+
+def test_exported_drafter_for_a_shorter_context_target_is_refused(exports):
+    from drafters.proposers.loading import load_proposer
+    from drafters.tree import parse_tree_spec
+
+    short = load_target("tiny-random-llama")
+    short.config.max_position_embeddings //= 2  # as if the target were another model
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        load_proposer(str(exports["sglang"]), short, parse_tree_spec("chain:3"))

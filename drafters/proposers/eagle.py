@@ -201,14 +201,20 @@ def eagle_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, s
         config = Eagle3Config(**ckpt.config)
     except TypeError as err:
         raise CheckpointError(f"{ckpt.path}: drafter config does not fit Eagle3Config ({err})") from None
-    check_config(config, target, ckpt.path)
-    vocab = DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path), draft_vocab_size=config.draft_vocab_size,
+    return eagle3_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
+
+
+def eagle3_proposer(config: Eagle3Config, state: dict, target, tree_spec: str | TreeSpec, where, *,
+                    seed: int = 0) -> EagleProposer:
+    # config + state dict in Eagle3Drafter names, from a native checkpoint or an sglang / vllm export
+    check_config(config, target, where)
+    vocab = DraftVocab.from_state_dict(state, source=str(where), draft_vocab_size=config.draft_vocab_size,
                                        target_vocab_size=config.vocab_size)
     drafter = Eagle3Drafter(config, vocab)
     try:
-        drafter.load_state_dict(ckpt.state_dict, strict=True)
+        drafter.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(f"{ckpt.path}: weights do not match the drafter config: {err}") from None
+        raise CheckpointError(f"{where}: weights do not match the drafter config: {err}") from None
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
     return EagleProposer(drafter, target.embed_tokens, tree, seed=seed)
@@ -226,3 +232,20 @@ def check_config(config: Eagle3Config, target, where) -> None:
     if wrong:
         raise CheckpointError(f"{where}: this EAGLE-3 drafter does not fit target {target.name!r}: "
                               + "; ".join(wrong) + ". Train or convert a drafter for this target")
+
+
+# ---------------------------------------------------------------- loading an exported drafter
+
+
+def eagle3_export_loader(fmt: str):
+    """-> load(path, config, target, tree) for an sglang / vllm EAGLE-3 export: ours, or one written
+    by another trainer (SpecForge, speculators), so its tau can be measured here. The files are read
+    and validated by the independent export reader; layer ids come back as HF indices."""
+    from drafters.checkpoint import target_info
+    from drafters.export_check import read_eagle3_export
+
+    def load(path, config: dict, target, tree_spec) -> EagleProposer:
+        eagle_config, state, _, _ = read_eagle3_export(path, fmt, target=target_info(target))
+        return eagle3_proposer(eagle_config, state, target, tree_spec, path)
+
+    return load

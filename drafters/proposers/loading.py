@@ -19,7 +19,7 @@ from drafters.checkpoint import CONFIG_FILE, check_target
 from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.proposers import PROPOSERS
 from drafters.proposers.draft_model import DraftModelProposer
-from drafters.proposers.eagle import eagle_proposer_from_checkpoint
+from drafters.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
 from drafters.proposers.prompt_lookup import PromptLookupProposer
 from drafters.tree import ChainSpec, DynamicSpec, TreeSpec
 
@@ -33,7 +33,10 @@ FAMILY_LOADERS: dict[str, Callable] = {
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before.
-CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {}
+CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
+    "sglang-eagle3": (lambda c: c.get("architectures") == ["LlamaForCausalLMEagle3"], eagle3_export_loader("sglang")),
+    "vllm-eagle3": (lambda c: c.get("speculators_model_type") == "eagle3", eagle3_export_loader("vllm")),
+}
 
 
 def load_proposer(spec: str, target, tree: TreeSpec):
