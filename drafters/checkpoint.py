@@ -15,8 +15,10 @@ knows nothing about the families: it stores their config dicts and state dicts a
 
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,17 +60,22 @@ def target_info(target) -> dict:
 
 
 def save_checkpoint(path, *, family: str, config: dict, target: dict, state_dict: dict,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, write_more: Callable[[Path], None] | None = None,
+                    tmp: Path | None = None) -> Path:
+    """write_more(tmp_dir) adds files (e.g. the trainer state for resuming) inside the same atomic
+    write; tmp: an empty directory to write into (multi-process saves agree on it), else a new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)) if tmp is None else Path(tmp)
     try:
+        if write_more is not None:
+            write_more(tmp)
         # safetensors wants contiguous tensors that share no storage
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": FORMAT, "family": family})
         meta = {"format": FORMAT, "family": family, "config": config, "target": target, "extra": extra or {}}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        _fsync_dir(tmp)
+        _fsync_tree(tmp)
         if path.exists():  # replace: move the old one aside first so a reader never sees neither
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)
@@ -116,7 +123,32 @@ def check_target(checkpoint: Checkpoint, target) -> None:
                               f"which does not match {target.name!r}: " + "; ".join(wrong))
 
 
-def _fsync_dir(path: Path) -> None:
-    for file in path.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+STEP_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+def step_checkpoints(run_dir) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoint-<step> directories of a run, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir()
+             if (m := STEP_CHECKPOINT.fullmatch(p.name)) and (p / CONFIG_FILE).is_file()]
+    return sorted(found)
+
+
+def prune_checkpoints(run_dir, keep_last: int) -> list[Path]:
+    """Deletes all but the newest `keep_last` checkpoint-<step> directories (checkpoint-final and
+    anything else is never touched); 0 keeps all. -> the deleted paths."""
+    if keep_last <= 0:
+        return []
+    doomed = [path for _, path in step_checkpoints(run_dir)[:-keep_last]]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed

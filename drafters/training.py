@@ -76,27 +76,37 @@ def num_tokens(example: Example) -> int:
 class LengthBuckets:
     """Batches of similar lengths, so padding stays small. Each pass shuffles the rows, sorts every
     window of `window` batches by length, cuts it into batches and shuffles the batch order. Pass n
-    draws from seed + n: every process of a multi-process run sees the same batches."""
+    draws from seed + n: every process of a multi-process run sees the same batches, and a resumed
+    run can rebuild any pass. `resume(pass_index, skip)` makes the next pass be pass `pass_index`
+    with its first `skip` batches left out (batches of all processes: accelerate deals them out
+    round-robin)."""
 
     drop_last = False  # read by accelerate when it shards batches over processes
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, window: int = 64):
         self.lengths, self.batch_size, self.seed, self.window = lengths, batch_size, seed, window
-        self.passes = 0
+        self.passes, self.skip = 0, 0
 
     def __len__(self) -> int:
         return math.ceil(len(self.lengths) / self.batch_size)
 
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.passes)
-        self.passes += 1
+    def resume(self, pass_index: int, skip: int) -> None:
+        self.passes, self.skip = pass_index, skip
+
+    def batches(self, pass_index: int) -> list[list[int]]:
+        """Row indices of every batch of pass `pass_index`, in the order the pass yields them."""
+        generator = torch.Generator().manual_seed(self.seed + pass_index)
         order = torch.randperm(len(self.lengths), generator=generator).tolist()
         span, batches = self.batch_size * self.window, []
         for start in range(0, len(order), span):
             rows = sorted(order[start:start + span], key=self.lengths.__getitem__)
             batches += [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        for i in torch.randperm(len(batches), generator=generator).tolist():
-            yield batches[i]
+        return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+    def __iter__(self):
+        batches, skip = self.batches(self.passes), self.skip
+        self.passes, self.skip = self.passes + 1, 0
+        yield from batches[skip:]
 
 
 def train_loader(recipe, rows: list[Example], pad: int) -> DataLoader:

@@ -76,3 +76,30 @@ def test_same_shapes_but_another_architecture_is_refused(tmp_path):
     save(tmp_path / "c", target=target_info(llama))
     with pytest.raises(CheckpointError, match="model_type: checkpoint llama vs target gemma3"):
         check_target(load_checkpoint(tmp_path / "c"), gemma)
+
+
+def test_disk_full_in_the_trainer_state_keeps_the_previous_checkpoint(tmp_path):
+    save(tmp_path / "c", value=1.0)
+
+    def trainer_state(tmp):
+        (tmp / "trainer").mkdir()
+        (tmp / "trainer" / "optimizer.bin").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        save(tmp_path / "c", value=2.0, write_more=trainer_state)
+    assert torch.equal(load_checkpoint(tmp_path / "c").state_dict["fc.weight"], torch.ones(2, 3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporary directory left
+
+
+def test_prune_keeps_the_newest_step_checkpoints_only(tmp_path):
+    for step in (5, 10, 15, 20):
+        save(tmp_path / f"checkpoint-{step}")
+    save(tmp_path / "checkpoint-final")
+    (tmp_path / "checkpoint-25").mkdir()  # incomplete (no drafter.json): not a checkpoint, left alone
+    deleted = ckpt.prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in deleted) == ["checkpoint-10", "checkpoint-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-15", "checkpoint-20", "checkpoint-25",
+                                                          "checkpoint-final"]
+    assert [s for s, _ in ckpt.step_checkpoints(tmp_path)] == [15, 20]
+    assert ckpt.prune_checkpoints(tmp_path, keep_last=0) == []
