@@ -8,7 +8,9 @@ every family's Recipe dataclass works with them. Knows nothing about drafters or
 
 import json
 import math
+import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from drafters.checkpoint import CheckpointError, check_target, save_checkpoint, step_checkpoints
 from drafters.data import Example, build_examples, collate
 from drafters.recipe import RecipeError
 from drafters.targets import Target
@@ -43,6 +46,7 @@ class Optim:
     warmup_steps: int = 0  # linear from lr / warmup_steps up to lr
     schedule: Literal["cosine", "constant"] = "cosine"  # after warmup; cosine decays to 0
     max_grad_norm: float | None = 0.5  # null = no clipping (the norm is still logged)
+    clip_value: float | None = None  # clip each gradient element to [-v, v] first (official EAGLE: 0.5)
 
 
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
@@ -142,12 +146,20 @@ def lr_factor(optim: Optim, total_steps: int, step: int) -> float:
 class MetricsLog:
     """Per-step metric tensors, written to metrics.jsonl at flushes: one host sync per flush."""
 
-    def __init__(self, path: Path, write: bool):
+    def __init__(self, path: Path, write: bool, resume: tuple[int, int] | None = None):
+        # resume = (step, tokens) of the checkpoint a run resumes from: rows up to that step are
+        # kept (a killed run may have logged later steps, which the resumed run logs again)
         self.path, self.write, self.pending, self.losses = path, write, [], []
         self.tokens_total, self.window_start, self.start = 0, time.perf_counter(), time.perf_counter()
+        kept = []
+        if resume is not None:
+            self.tokens_total = resume[1]
+            rows = path.read_text().splitlines() if path.is_file() else []
+            kept = [row for row in rows if row.strip() and json.loads(row)["step"] <= resume[0]]
+            self.losses = [json.loads(row)["loss"] for row in kept]
         if write:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
+            path.write_text("".join(row + "\n" for row in kept))
 
     def add(self, step: int, acc: dict, grad_norm: Tensor, lr: float) -> None:
         self.pending.append((step, lr, acc, torch.as_tensor(grad_norm).detach().float()))
@@ -175,3 +187,187 @@ class MetricsLog:
         self.pending, self.window_start = [], now
         last = rows[-1]
         return f"loss {last['loss']:.3f} acc0 {last['step_acc'][0]:.2f} {rate:.0f} tok/s"
+
+
+# ---- the loop, checkpoints and resume -------------------------------------------------------------
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+@dataclass
+class Position:
+    """Where the data stream stands at an optimizer-step boundary: `passes` complete passes over the
+    training rows, then `micro` micro-batches (of each process) of the next pass."""
+
+    passes: int = 0
+    micro: int = 0
+
+
+def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_steps: int,
+               start_step: int = 0, start: Position | None = None) -> list[float]:
+    """Optimizer steps start_step+1 .. total_steps. `run` (a training script's Run) provides
+    micro_step(batch, acc) -> summed metric tensors, log (MetricsLog), flush_due(step, total),
+    reduce_tokens, periodic(step, total, position) (evaluation, checkpoints), save(path, step,
+    result, position), rows_of(pass, micro) -> 'file:line' of a micro-batch's rows, recipe,
+    accelerator and objective. Ctrl-C saves a resumable checkpoint of the last finished step; a
+    non-finite loss stops before the optimizer applies it (the last checkpoint stays the last
+    good one)."""
+    from tqdm import tqdm
+
+    recipe, accelerator, objective = run.recipe, run.accelerator, run.objective
+    max_norm = recipe.optim.max_grad_norm or math.inf
+    clip_value = getattr(recipe.optim, "clip_value", None)
+    step, position = start_step, start or Position()
+    sampler.resume(position.passes, position.micro * accelerator.num_processes)
+    passes, micro = position.passes, position.micro
+    bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not accelerator.is_main_process,
+               dynamic_ncols=True)
+    objective.train()
+    acc = None
+    try:
+        while step < total_steps:
+            for batch in loader:
+                micro += 1
+                last_micro = micro % recipe.grad_accum == 0
+                with nullcontext() if last_micro else accelerator.no_sync(objective):
+                    acc = run.micro_step(batch, acc)
+                if not last_micro:
+                    continue
+                check_finite(acc["loss"], step + 1, run, passes, micro, recipe.grad_accum)
+                if clip_value is not None:  # elementwise, before the norm clip (the official EAGLE setting)
+                    accelerator.clip_grad_value_(objective.parameters(), clip_value)
+                grad_norm = accelerator.clip_grad_norm_(objective.parameters(), max_norm)
+                lr = scheduler.get_last_lr()[0]  # the lr this step used
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                position = Position(passes, micro)
+                run.log.add(step, acc, grad_norm, lr)
+                acc = None
+                bar.update(1)
+                if run.flush_due(step, total_steps):
+                    bar.set_postfix_str(run.log.flush(run.reduce_tokens))
+                run.periodic(step, total_steps, position)
+                if step == total_steps:
+                    break
+            else:
+                passes, micro = passes + 1, 0
+    except KeyboardInterrupt:
+        bar.close()
+        if run.log.pending:
+            run.log.flush(run.reduce_tokens)
+        path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
+        raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
+                         f"resume_from={path} (or resume_from=latest)") from None
+    bar.close()
+    return run.log.losses
+
+
+def check_finite(loss: Tensor, step: int, run, passes: int, micro: int, grad_accum: int) -> None:
+    # one host sync per optimizer step; the step is not applied, so the weights stay finite
+    if bool(torch.isfinite(loss)):
+        return
+    rows = [run.rows_of(passes, m) for m in range(micro - grad_accum, micro)]
+    saved = [p for _, p in step_checkpoints(run.output_dir)]
+    raise NonFiniteLoss(
+        f"step {step}: the loss is {loss.item()} (not finite); micro-batches {micro - grad_accum}..{micro - 1} of "
+        f"pass {passes}, data rows {'; '.join(rows)}. The optimizer step was not applied; the last good "
+        f"checkpoint is {saved[-1] if saved else 'none (no checkpoint was saved yet)'}. Lower optim.lr, keep "
+        f"optim.max_grad_norm set, use mixed_precision=bf16 rather than fp16, or remove those rows.")
+
+
+TRAINER_DIR, POSITION_FILE = "trainer", "position.json"
+
+
+def save_run_checkpoint(accelerator, path: Path, step: int, position: Position, tokens: int, **checkpoint) -> Path:
+    """A checkpoint that also resumes: the drafter files (drafters.checkpoint) plus trainer/ =
+    accelerate's state (optimizer, lr scheduler, RNG states of every process, and the prepared
+    model, sharded as the engine shards it) and the data position, all in one atomic write.
+    Called by every process; `checkpoint` = save_checkpoint's keyword arguments."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-resumable")
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a run killed while saving
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp / TRAINER_DIR))
+        accelerator.wait_for_everyone()
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if accelerator.is_main_process:
+        def write_position(directory: Path) -> None:
+            (directory / TRAINER_DIR / POSITION_FILE).write_text(json.dumps(
+                {"step": step, "passes": position.passes, "micro": position.micro, "tokens": tokens,
+                 "num_processes": accelerator.num_processes}))
+        save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def resume_checkpoint(recipe, family: str) -> Path | None:
+    """recipe.resume_from: null (fresh run), 'latest' (newest checkpoint-<step> of output_dir, or a
+    fresh run when there is none) or a checkpoint directory."""
+    if recipe.resume_from is None:
+        return None
+    if recipe.resume_from == "latest":
+        found = step_checkpoints(recipe.output_dir)
+        resumable = [p for _, p in found if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+        return resumable[-1] if resumable else None
+    path = Path(recipe.resume_from)
+    if not (path / TRAINER_DIR / POSITION_FILE).is_file():
+        raise RecipeError(f"resume_from={path}: not a resumable checkpoint (no {TRAINER_DIR}/{POSITION_FILE}); "
+                          "checkpoint-<step> directories of a training run are, exported ones and "
+                          "checkpoint-final are not")
+    return path
+
+
+# Recipe keys that may change between a run and its resumption without changing what is trained.
+RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "output_dir", "max_steps", "log_every", "save_every",
+                     "eval_every", "keep_last", "threads", "wandb"}
+
+
+def recipe_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    lines = []
+    for key in sorted(set(saved) | set(current)):
+        name = prefix + key
+        if not prefix and key in RESUMABLE_CHANGES:
+            continue
+        old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(old, dict) and isinstance(new, dict):
+            lines += recipe_diff(old, new, name + ".")
+        elif old != new:
+            lines.append(f"{name}: {old!r} -> {new!r}")
+    return lines
+
+
+def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool) -> None:
+    """The checkpoint must be of this family and target, and trained by the same recipe."""
+    if ckpt.family != family:
+        raise RecipeError(f"resume_from={ckpt.path}: a {ckpt.family!r} checkpoint, but this recipe trains "
+                          f"{family!r}; resume it with its own recipe or start a fresh run (resume_from=null)")
+    try:
+        check_target(ckpt, target)
+    except CheckpointError as error:
+        raise RecipeError(f"resume_from: {error}") from None
+    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict)
+    if diff and not allow_changes:
+        raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
+                          + "\n  ".join(diff) + "\nresume with the original values, or set "
+                          "allow_recipe_changes=true to continue with the new ones")
+
+
+def load_run_state(accelerator, path: Path) -> tuple[int, Position, int]:
+    """Restores what save_run_checkpoint saved into the prepared objects -> (step, position, tokens)."""
+    meta = json.loads((path / TRAINER_DIR / POSITION_FILE).read_text())
+    if meta["num_processes"] != accelerator.num_processes:
+        raise RecipeError(f"resume_from={path}: saved by {meta['num_processes']} processes, resumed with "
+                          f"{accelerator.num_processes}; the data position and RNG states need the same count")
+    accelerator.load_state(str(path / TRAINER_DIR))
+    return meta["step"], Position(meta["passes"], meta["micro"]), meta["tokens"]

@@ -20,7 +20,6 @@ processes. Knows nothing about decoding trees or export formats.
 import json
 import math
 import sys
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,14 +31,29 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from drafters.checkpoint import save_checkpoint, target_info
+from drafters.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, target_info
 from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.recipe import RecipeError, load_recipe, to_dict
 from drafters.targets import Target, load_target
-from drafters.training import (Data, MetricsLog, Optim, length_sorted_batches, load_examples, lr_factor, pad_id,
-                               plan_steps, train_loader)
+from drafters.training import (
+    Data,
+    MetricsLog,
+    Optim,
+    Position,
+    check_resume,
+    length_sorted_batches,
+    load_examples,
+    load_run_state,
+    lr_factor,
+    pad_id,
+    plan_steps,
+    resume_checkpoint,
+    save_run_checkpoint,
+    train_loader,
+    train_loop,
+)
 
 
 @dataclass
@@ -62,8 +76,11 @@ class Recipe:
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
     threads: int = 0  # torch CPU threads; 0 = torch's default
     log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
-    save_every: int = 0  # 0 = only checkpoint-final
+    save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
+    keep_last: int = 0  # keep only the newest N checkpoint-<step> directories; 0 = all
     eval_every: int = 0  # 0 = only at the end
+    resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
+    allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
 
 
 @dataclass
@@ -91,6 +108,9 @@ def main(argv: list[str]) -> Summary:
 
     target = load_target(recipe.target, dtype=recipe.dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
+    resume = resume_checkpoint(recipe, recipe.drafter)
+    if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
+        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
     train_rows, held_out = load_examples(recipe, target, say)
     vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
                               min(recipe.draft_vocab_size, target.vocab_size))
@@ -103,14 +123,21 @@ def main(argv: list[str]) -> Summary:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
                                   weight_decay=recipe.optim.weight_decay)
     loader = train_loader(recipe, train_rows, pad_id(target))
+    sampler = loader.batch_sampler
     objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
     total_steps = plan_steps(recipe, len(loader))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
+    accelerator.register_for_checkpointing(scheduler)
     eval_batches = [collate(batch, pad_id(target)) for batch in length_sorted_batches(held_out, recipe.batch_size)]
 
     output_dir = Path(recipe.output_dir)
-    run = Run(recipe, accelerator, target, objective, eval_batches, output_dir)
-    losses = train(run, optimizer, scheduler, loader, total_steps)
+    step, position, resumed = 0, Position(), None
+    if resume is not None:
+        step, position, tokens = load_run_state(accelerator, resume)
+        resumed = (step, tokens)
+        say(f"eagle: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
+    run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
+    losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
     result = run.evaluate(total_steps)
     checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
     say(f"eagle: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
@@ -179,51 +206,27 @@ def target_inputs(target: Target, aux_layers: list[int], batch: dict, dtype: tor
 # ---- the loop -------------------------------------------------------------------------------------
 
 
-def train(run: "Run", optimizer, scheduler, loader, total_steps: int) -> list[float]:
-    recipe, accelerator, objective = run.recipe, run.accelerator, run.objective
-    max_norm = recipe.optim.max_grad_norm or math.inf
-    step, micro, acc = 0, 0, None
-    bar = tqdm(total=total_steps, unit="step", disable=not accelerator.is_main_process, dynamic_ncols=True)
-    objective.train()
-    while step < total_steps:
-        for batch in loader:
-            last_micro = (micro + 1) % recipe.grad_accum == 0
-            with nullcontext() if last_micro else accelerator.no_sync(objective):
-                acc = run.micro_step(batch, acc)
-            micro += 1
-            if not last_micro:
-                continue
-            grad_norm = accelerator.clip_grad_norm_(objective.parameters(), max_norm)
-            lr = scheduler.get_last_lr()[0]  # the lr this step used
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            run.log.add(step, acc, grad_norm, lr)
-            acc = None
-            bar.update(1)
-            if run.flush_due(step, total_steps):
-                bar.set_postfix_str(run.log.flush(run.reduce_tokens))
-            run.periodic(step, total_steps)
-            if step == total_steps:
-                break
-    bar.close()
-    return run.log.losses
-
-
 class Run:
     """The pieces of one training run that the loop, the evaluation and the saving share."""
 
-    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path):
+    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
+                 sampler, resumed: tuple[int, int] | None = None):
         self.recipe, self.accelerator, self.target = recipe, accelerator, target
         self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
+        self.train_rows, self.sampler = train_rows, sampler
         self.drafter = accelerator.unwrap_model(objective).drafter
         self.aux_layers = self.drafter.config.aux_layers
         self.dtype = self.drafter.fc.weight.dtype
-        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process)
-        self.tokens_total = 0
-        if accelerator.is_main_process:
+        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed)
+        self.tokens_total = self.log.tokens_total
+        if accelerator.is_main_process and resumed is None:
             (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+
+    def rows_of(self, passes: int, micro: int) -> str:
+        # 'file:line, ...' of the rows in micro-batch `micro` (0-based) of pass `passes`, this process
+        batches = self.sampler.batches(passes)[self.accelerator.process_index::self.accelerator.num_processes]
+        rows = [self.train_rows[i] for i in batches[micro]] if micro < len(batches) else []
+        return ", ".join(f"{e.source}:{e.row}" for e in rows) or "?"
 
     def micro_step(self, batch: dict, acc: dict | None) -> dict:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
@@ -249,7 +252,7 @@ class Run:
     def reduce_tokens(self, tokens: Tensor) -> Tensor:
         return self.accelerator.reduce(tokens, reduction="sum")
 
-    def periodic(self, step: int, total_steps: int) -> None:
+    def periodic(self, step: int, total_steps: int, position: Position) -> None:
         if step == total_steps:
             return  # the end of main() evaluates and saves checkpoint-final
         recipe = self.recipe
@@ -259,14 +262,20 @@ class Run:
         else:
             result = None
         if recipe.save_every and step % recipe.save_every == 0:
-            self.save(self.output_dir / f"checkpoint-{step}", step, result)
+            self.save(self.output_dir / f"checkpoint-{step}", step, result, position)
+            if self.accelerator.is_main_process:
+                prune_checkpoints(self.output_dir, self.recipe.keep_last)
 
-    def save(self, path: Path, step: int, result: dict | None) -> Path:
+    def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
+        """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
         self.tokens_total = self.log.tokens_total
+        extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result}
+        checkpoint = {"family": "eagle3", "config": asdict(self.drafter.config), "target": target_info(self.target),
+                      "state_dict": self.drafter.state_dict(), "extra": extra}
+        if position is not None:
+            return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
         if self.accelerator.is_main_process:
-            extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result}
-            save_checkpoint(path, family="eagle3", config=asdict(self.drafter.config),
-                            target=target_info(self.target), state_dict=self.drafter.state_dict(), extra=extra)
+            save_checkpoint(path, **checkpoint)
         self.accelerator.wait_for_everyone()
         return path
 

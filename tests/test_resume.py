@@ -1,0 +1,129 @@
+"""Checkpoints resume exactly: SIGKILL, Ctrl-C, NaN, changed recipes, wrong checkpoints (train/eagle.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.checkpoint import load_checkpoint
+from drafters.recipe import RecipeError
+from drafters.training import NonFiniteLoss
+
+eagle = load_script("train/eagle.py")
+RECIPE = "recipes/eagle3_tiny.yaml"  # 6 steps, eval at 3 and 6
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(out, *overrides):
+    return eagle.main([RECIPE, f"output_dir={out}", "save_every=2", *overrides])
+
+
+def weights(run_dir, name="checkpoint-final"):
+    return load_checkpoint(Path(run_dir) / name).state_dict
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole")
+    train(out)
+    return out
+
+
+def assert_same_run(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ from the uninterrupted run"
+    assert losses(a) == losses(b)
+
+
+def test_sigkilled_run_resumes_to_bitwise_the_same_weights(uninterrupted, tmp_path):
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, str(ROOT / "tests/helpers/kill_after_step.py"), "5", RECIPE,
+                             f"output_dir={out}", "save_every=2"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]  # really killed, after checkpoint-4
+    assert not (out / "checkpoint-final").exists() and (out / "checkpoint-4").is_dir()
+    assert max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()) >= 4
+    summary = train(out, "resume_from=latest")
+    assert summary.steps == 6
+    assert_same_run(uninterrupted, out)
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path, monkeypatch):
+    out, inner = tmp_path / "interrupted", eagle.train_loop
+
+    def interrupt_at_3(run, *args, **kwargs):
+        periodic = run.periodic
+
+        def then_interrupt(step, total, position):
+            periodic(step, total, position)
+            if step == 3:
+                raise KeyboardInterrupt
+
+        run.periodic = then_interrupt
+        return inner(run, *args, **kwargs)
+
+    monkeypatch.setattr(eagle, "train_loop", interrupt_at_3)
+    with pytest.raises(SystemExit, match=r"interrupted: saved the state after step 3 .*checkpoint-3"):
+        train(out)
+    monkeypatch.setattr(eagle, "train_loop", inner)
+    train(out, f"resume_from={out / 'checkpoint-3'}")
+    assert_same_run(uninterrupted, out)
+
+
+def test_non_finite_loss_stops_with_the_step_rows_and_last_good_checkpoint(tmp_path, monkeypatch):
+    micro_step = eagle.Run.micro_step
+    calls = {"n": 0}
+
+    def poisoned(self, batch, acc):
+        acc = micro_step(self, batch, acc)
+        calls["n"] += 1
+        if calls["n"] == 7:  # grad_accum 2: the 7th micro-batch ends step 4
+            acc["loss"] = acc["loss"] * float("nan")
+        return acc
+
+    monkeypatch.setattr(eagle.Run, "micro_step", poisoned)
+    with pytest.raises(NonFiniteLoss) as error:
+        train(tmp_path / "nan")
+    message = str(error.value)
+    assert "step 4" in message and "tiny_conversations.jsonl:" in message
+    assert f"last good checkpoint is {tmp_path / 'nan' / 'checkpoint-2'}" in message
+    assert torch.isfinite(weights(tmp_path / "nan", "checkpoint-2")["fc.weight"]).all()
+
+
+def test_changed_recipe_is_refused_with_a_diff_unless_allowed(uninterrupted, tmp_path):
+    out = tmp_path / "changed"
+    train(out, "max_steps=4")
+    with pytest.raises(RecipeError, match=r"recipe changed[\s\S]*optim.lr: 0.001 -> 0.002[\s\S]*allow_recipe_changes"):
+        train(out, "resume_from=latest", "optim.lr=2e-3")
+    summary = train(out, "resume_from=latest", "optim.lr=2e-3", "allow_recipe_changes=true")
+    assert summary.steps == 6  # max_steps may change freely
+
+
+def test_resume_from_another_family_or_target_is_refused(uninterrupted, tmp_path):
+    with pytest.raises(RecipeError, match="model_type"):
+        train(tmp_path / "g", f"resume_from={uninterrupted / 'checkpoint-4'}", "target=tiny-random-gemma3")
+    other = tmp_path / "other" / "checkpoint-4"
+    other.parent.mkdir()
+    os.system(f"cp -r {uninterrupted / 'checkpoint-4'} {other}")
+    meta = json.loads((other / "drafter.json").read_text())
+    (other / "drafter.json").write_text(json.dumps({**meta, "family": "medusa"}))
+    with pytest.raises(RecipeError, match="a 'medusa' checkpoint, but this recipe trains 'eagle3'"):
+        train(tmp_path / "f", f"resume_from={other}")
+    with pytest.raises(RecipeError, match="not a resumable checkpoint"):
+        train(tmp_path / "h", f"resume_from={uninterrupted / 'checkpoint-final'}")
+
+
+def test_keep_last_prunes_old_step_checkpoints(tmp_path):
+    train(tmp_path / "k", "save_every=1", "keep_last=2")
+    assert sorted(p.name for p in (tmp_path / "k").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5",
+                                                                            "checkpoint-final"]
