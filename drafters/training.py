@@ -164,11 +164,15 @@ class MetricsLog:
     def add(self, step: int, acc: dict, grad_norm: Tensor, lr: float) -> None:
         self.pending.append((step, lr, acc, torch.as_tensor(grad_norm).detach().float()))
 
-    def flush(self, reduce_tokens) -> str:
-        """Writes the pending rows; tokens_per_s is the rate over the steps since the last flush."""
-        tokens = reduce_tokens(torch.stack([acc["tokens"] for _, _, acc, _ in self.pending]))
-        stacked = {k: torch.stack([acc[k].float() for _, _, acc, _ in self.pending]).tolist()
-                   for k in ("loss", "step_losses", "correct", "counted")}
+    def flush(self, reduce_sum, processes: int = 1) -> str:
+        """Writes the pending rows; tokens_per_s is the rate over the steps since the last flush.
+        reduce_sum sums a tensor over processes: tokens and accuracy counts are totals over all
+        processes, losses their mean (each process's is the mean over its micro-batches), so a
+        multi-process run logs the curve of the single-process run with the same global batch."""
+        tokens = reduce_sum(torch.stack([acc["tokens"] for _, _, acc, _ in self.pending]))
+        stacked = {k: (reduce_sum(torch.stack([acc[k].float() for _, _, acc, _ in self.pending]))
+                       / (processes if k in ("loss", "step_losses") else 1)).tolist()
+                   for k in ("loss", "step_losses", "correct", "counted", "correct_top5") if k in self.pending[0][2]}
         grad_norms = torch.stack([g.to(tokens.device) for *_, g in self.pending]).tolist()
         tokens = tokens.tolist()
         now = time.perf_counter()
@@ -179,6 +183,9 @@ class MetricsLog:
             rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["step_losses"][i],
                          "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
                          "tokens_per_s": rate, "elapsed_s": now - self.start})
+            if "correct_top5" in stacked:  # multi-head drafters (train/heads.py): label in the top-5, per head
+                rows[-1]["step_acc_top5"] = [c / max(n, 1) for c, n in zip(stacked["correct_top5"][i],
+                                                                          stacked["counted"][i])]
         if self.write:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -209,7 +216,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                start_step: int = 0, start: Position | None = None) -> list[float]:
     """Optimizer steps start_step+1 .. total_steps. `run` (a training script's Run) provides
     micro_step(batch, acc) -> summed metric tensors, log (MetricsLog), flush_due(step, total),
-    reduce_tokens, periodic(step, total, position) (evaluation, checkpoints), save(path, step,
+    reduce_sum, periodic(step, total, position) (evaluation, checkpoints), save(path, step,
     result, position), rows_of(pass, micro) -> 'file:line' of a micro-batch's rows, recipe,
     accelerator and objective. Ctrl-C saves a resumable checkpoint of the last finished step; a
     non-finite loss stops before the optimizer applies it (the last checkpoint stays the last
@@ -249,7 +256,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                 acc = None
                 bar.update(1)
                 if run.flush_due(step, total_steps):
-                    bar.set_postfix_str(run.log.flush(run.reduce_tokens))
+                    bar.set_postfix_str(run.log.flush(run.reduce_sum, accelerator.num_processes))
                 run.periodic(step, total_steps, position)
                 if step == total_steps:
                     break
@@ -258,7 +265,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
     except KeyboardInterrupt:
         bar.close()
         if run.log.pending:
-            run.log.flush(run.reduce_tokens)
+            run.log.flush(run.reduce_sum, accelerator.num_processes)
         path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
         raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
                          f"resume_from={path} (or resume_from=latest)") from None

@@ -249,8 +249,8 @@ class Run:
         save_every = self.recipe.save_every
         return step % self.recipe.log_every == 0 or step == total_steps or bool(save_every and step % save_every == 0)
 
-    def reduce_tokens(self, tokens: Tensor) -> Tensor:
-        return self.accelerator.reduce(tokens, reduction="sum")
+    def reduce_sum(self, values: Tensor) -> Tensor:
+        return self.accelerator.reduce(values, reduction="sum")
 
     def periodic(self, step: int, total_steps: int, position: Position) -> None:
         if step == total_steps:

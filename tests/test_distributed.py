@@ -1,0 +1,51 @@
+"""Two-process data-parallel training on CPU (gloo) equals one process with the same global batch.
+
+torchrun starts 2 processes of train/eagle.py; one process with grad_accum=2 sees the same
+micro-batches per optimizer step (accelerate deals the sampler's batches out round-robin), so the
+weights, the logged loss curve and the token counts must agree up to float summation order.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["recipes/eagle3_tiny.yaml", "save_every=0", "eval_every=0", "threads=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    load_script("train/eagle.py").main([*COMMON, f"output_dir={one}", "grad_accum=2"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "train/eagle.py", *COMMON, f"output_dir={two}",
+                           "grad_accum=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a = load_file(one / "checkpoint-final" / "model.safetensors")
+    b = load_file(two / "checkpoint-final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    ra, rb = rows(one), rows(two)
+    assert [r["tokens"] for r in rb] == [r["tokens"] for r in ra]  # all processes' tokens counted
+    assert [r["loss"] for r in rb] == pytest.approx([r["loss"] for r in ra], rel=1e-5)
+    assert [a for r in rb for a in r["step_acc"]] == pytest.approx([a for r in ra for a in r["step_acc"]], abs=1e-6)
