@@ -49,3 +49,22 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     assert [r["tokens"] for r in rb] == [r["tokens"] for r in ra]  # all processes' tokens counted
     assert [r["loss"] for r in rb] == pytest.approx([r["loss"] for r in ra], rel=1e-5)
     assert [a for r in rb for a in r["step_acc"]] == pytest.approx([a for r in ra for a in r["step_acc"]], abs=1e-6)
+
+
+def test_two_process_deepspeed_zero2_on_cpu_matches_one_process(tmp_path):
+    pytest.importorskip("deepspeed", reason="pip install -e .[test] installs deepspeed")
+    one, two = tmp_path / "one", tmp_path / "zero2"
+    load_script("train/eagle.py").main([*COMMON, f"output_dir={one}", "grad_accum=2"])
+    # what `accelerate launch --config_file recipes/accelerate/zero2.yaml` sets, on a CPU (gloo)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true",
+           "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "train/eagle.py", *COMMON, f"output_dir={two}",
+                           "grad_accum=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es), DEEPSPEED" in done.stdout
+    a = load_file(one / "checkpoint-final" / "model.safetensors")
+    b = load_file(two / "checkpoint-final" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert [r["loss"] for r in rows(two)] == pytest.approx([r["loss"] for r in rows(one)], rel=1e-5)

@@ -29,3 +29,14 @@ def test_recipe_loads_with_its_scripts_schema(path):
     script, named = match.groups()
     assert named == f"recipes/{path.name}", f"{path.name}: its launch command names {named}"
     load_recipe(path, schema=script_schema(script))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_load_with_accelerate(path):
+    # accelerate's own reader: an unknown key or a bad enum value fails here, not on a GPU cluster
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.distributed_type.value in ("MULTI_GPU", "DEEPSPEED")
+    assert path.read_text().startswith("# ") and "accelerate launch --config_file recipes/accelerate/" in \
+        path.read_text().splitlines()[0]

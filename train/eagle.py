@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 drafter head on a frozen target, online: target features are computed per batch.
+"""Train an EAGLE-3 or EAGLE-1 drafter head on a frozen target (target features online per batch, or offline).
 
     accelerate launch train/eagle.py recipes/eagle3_smollm2.yaml [key=value ...]
     python train/eagle.py recipes/eagle3_tiny.yaml max_steps=3 output_dir=/tmp/run
@@ -8,6 +8,13 @@ train / held-out split -> draft vocabulary counted on the TRAIN examples under t
 Eagle3Drafter (lm_head = the target LM head's rows of the draft vocabulary) -> AdamW with linear
 warmup then cosine or constant lr -> loop: target features (aux layers + logits, no grad) ->
 training-time test unroll -> backward -> clip -> step.
+EAGLE-1 (`drafter: eagle1`, drafters.eagle1 / drafters.eagle1_training): Eagle1Drafter on the target's
+frozen head and embedding, no draft vocabulary; features = the last hidden state (eagle1.feature) +
+logits; loss = eagle1.feature_weight * SmoothL1(feature_{t+1}) + eagle1.token_weight * soft CE(token
+t+2), U(-eagle1.noise, eagle1.noise) on the input features while training; metrics.jsonl step_loss =
+[feature, token] loss, step_acc = its top-1. With features.dir set the features are streamed from what
+`python train/features.py RECIPE` precomputed (drafters.features) instead of running the target.
+optim.clip_value (null = off) clips each gradient element before max_grad_norm clips the norm.
 
 Writes to output_dir (relative paths in the recipe are relative to the current directory):
     metrics.jsonl       one row per optimizer step (rewritten by each run), flushed at log steps
@@ -19,6 +26,7 @@ processes. Knows nothing about decoding trees or export formats.
 
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -27,14 +35,25 @@ from typing import Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from drafters.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, target_info
 from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
+from drafters.eagle1 import Eagle1Drafter
+from drafters.eagle1_training import (
+    Eagle1Objective,
+    Eagle1Options,
+    Features,
+    build_eagle1_drafter,
+    check_eagle1,
+    eagle1_inputs_fn,
+    evaluate_eagle1,
+)
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
+from drafters.features import FeatureStore, offline_batches, offline_loader
 from drafters.recipe import RecipeError, load_recipe, to_dict
 from drafters.targets import Target, load_target
 from drafters.training import (
@@ -66,6 +85,8 @@ class Recipe:
     layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
     ttt_steps: int = 7
     step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
+    eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
+    features: Features = field(default_factory=Features)  # offline features (drafter: eagle1)
     optim: Optim = field(default_factory=Optim)
     batch_size: int = 1  # per process
     grad_accum: int = 1
@@ -91,7 +112,7 @@ class Summary:
     eval: dict | None
     checkpoint: Path
     target: Target
-    drafter: Eagle3Drafter
+    drafter: Eagle3Drafter | Eagle1Drafter
 
 
 def main(argv: list[str]) -> Summary:
@@ -103,8 +124,21 @@ def main(argv: list[str]) -> Summary:
         torch.set_num_threads(recipe.threads)
     # cpu=True on machines without an accelerator, so torchrun / accelerate launch with several
     # processes there runs gloo DDP instead of independent copies
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, cpu=not torch.accelerator.is_available())
+    # (DeepSpeed, when an accelerate config / ACCELERATE_USE_DEEPSPEED asks for it, brings its own
+    # CPU accelerator and backend, and accelerate ignores it under cpu=True)
+    deepspeed_on_cpu = not torch.accelerator.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, kwargs_handlers=handlers,
+                              cpu=not torch.accelerator.is_available() and not deepspeed_on_cpu)
     say = accelerator.print
+    if accelerator.state.deepspeed_plugin is not None:
+        if recipe.grad_accum != 1:  # DeepSpeed steps its engine at every backward under our own accumulation
+            raise RecipeError(f"grad_accum={recipe.grad_accum} under DeepSpeed is not supported yet: use grad_accum=1 "
+                              "and a larger batch_size or more processes for the same global batch")
+        # the loader's batches come from a batch sampler, which DeepSpeed cannot read the size of
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.batch_size
+    say(f"eagle: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
 
     target = load_target(recipe.target, dtype=recipe.dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
@@ -112,23 +146,38 @@ def main(argv: list[str]) -> Summary:
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
     train_rows, held_out = load_examples(recipe, target, say)
-    vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
-                              min(recipe.draft_vocab_size, target.vocab_size))
-    set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
-    drafter = build_drafter(recipe, target, vocab)
-    say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
-        f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
-
-    objective = Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight)
+    store = None
+    if recipe.features.dir:  # offline: refuses features computed for other data, target or feature
+        store = FeatureStore.open(recipe.features.dir)
+        store.check(recipe, target)
+        say(store.summary())
+    if recipe.drafter == "eagle3":
+        vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
+                                  min(recipe.draft_vocab_size, target.vocab_size))
+        set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
+        drafter = build_drafter(recipe, target, vocab)
+        say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+            f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
+        objective = Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight)
+    else:
+        set_seed(recipe.seed)
+        drafter = build_eagle1_drafter(recipe, target)
+        say(f"eagle: EAGLE-1 drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+            f"{drafter.config.feature} features {'from ' + recipe.features.dir if store else 'online'}, "
+            f"full vocab {target.vocab_size}")
+        objective = Eagle1Objective(drafter, recipe.eagle1)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
                                   weight_decay=recipe.optim.weight_decay)
-    loader = train_loader(recipe, train_rows, pad_id(target))
+    loader = train_loader(recipe, train_rows, pad_id(target)) if store is None else \
+        offline_loader(recipe, store, train_rows, pad_id(target))
     sampler = loader.batch_sampler
     objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
     total_steps = plan_steps(recipe, len(loader))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
     accelerator.register_for_checkpointing(scheduler)
-    eval_batches = [collate(batch, pad_id(target)) for batch in length_sorted_batches(held_out, recipe.batch_size)]
+    eval_batches = length_sorted_batches(held_out, recipe.batch_size)
+    eval_batches = [collate(batch, pad_id(target)) for batch in eval_batches] if store is None else \
+        offline_batches(store, eval_batches, pad_id(target))
 
     output_dir = Path(recipe.output_dir)
     step, position, resumed = 0, Position(), None
@@ -146,9 +195,6 @@ def main(argv: list[str]) -> Summary:
 
 
 def check(recipe: Recipe) -> None:
-    if recipe.drafter == "eagle1":  # slots in as another objective + build_drafter branch
-        raise NotImplementedError("drafter=eagle1: EAGLE-1 training is not implemented yet (it comes "
-                                  "in a later issue); use drafter=eagle3")
     positive = ["draft_vocab_size", "ttt_steps", "batch_size", "grad_accum", "log_every"]
     problems = [f"{name}={getattr(recipe, name)} must be >= 1" for name in positive if getattr(recipe, name) < 1]
     problems += [f"{name}={getattr(recipe, name)} must be >= 0 (0 = off)" for name in
@@ -170,6 +216,7 @@ def check(recipe: Recipe) -> None:
         problems.append(f"optim.betas={optim.betas} must be two numbers in [0, 1)")
     if optim.max_grad_norm is not None and optim.max_grad_norm <= 0:
         problems.append(f"optim.max_grad_norm={optim.max_grad_norm} must be > 0 or null (no clipping)")
+    problems += check_eagle1(recipe)
     if problems:
         raise RecipeError("recipe: " + "; ".join(problems))
 
@@ -197,6 +244,13 @@ class Eagle3Objective(nn.Module):
                                         steps=self.steps, step_weight=self.step_weight)
 
 
+def target_inputs_fn(recipe: Recipe, target: Target, drafter):
+    """-> batch -> (features in the drafter's dtype, target logits (B, T, V)), no grad, for recipe.drafter."""
+    if recipe.drafter == "eagle1":
+        return eagle1_inputs_fn(recipe, target, drafter)  # online or offline (features.dir)
+    return partial(target_inputs, target, drafter.config.aux_layers, dtype=drafter.fc.weight.dtype)
+
+
 def target_inputs(target: Target, aux_layers: list[int], batch: dict, dtype: torch.dtype):
     """-> fused features (B, T, n*h) in the drafter's dtype, target logits (B, T, V); no grad."""
     out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=True)
@@ -215,8 +269,7 @@ class Run:
         self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
         self.train_rows, self.sampler = train_rows, sampler
         self.drafter = accelerator.unwrap_model(objective).drafter
-        self.aux_layers = self.drafter.config.aux_layers
-        self.dtype = self.drafter.fc.weight.dtype
+        self.inputs = target_inputs_fn(recipe, target, self.drafter)  # batch -> (features, target logits)
         self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed)
         self.tokens_total = self.log.tokens_total
         if accelerator.is_main_process and resumed is None:
@@ -230,7 +283,7 @@ class Run:
 
     def micro_step(self, batch: dict, acc: dict | None) -> dict:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
-        features, target_logits = target_inputs(self.target, self.aux_layers, batch, self.dtype)
+        features, target_logits = self.inputs(batch)
         out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
                              self.target.embed_tokens)
         self.accelerator.backward(out.loss / self.recipe.grad_accum)
@@ -270,7 +323,8 @@ class Run:
         """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
         self.tokens_total = self.log.tokens_total
         extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result}
-        checkpoint = {"family": "eagle3", "config": asdict(self.drafter.config), "target": target_info(self.target),
+        checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
+                      "target": target_info(self.target),
                       "state_dict": self.drafter.state_dict(), "extra": extra}
         if position is not None:
             return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
@@ -282,7 +336,11 @@ class Run:
     def evaluate(self, step: int) -> dict | None:
         result = None
         if self.eval_batches and self.accelerator.is_main_process:
-            result = evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator)
+            if self.recipe.drafter == "eagle1":
+                result = evaluate_eagle1(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
+                                         self.recipe, self.accelerator)
+            else:
+                result = evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator)
             result["step"] = step
             tqdm.write(format_eval(result))  # keeps the progress bar intact
             with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
