@@ -146,10 +146,10 @@ def lr_factor(optim: Optim, total_steps: int, step: int) -> float:
 class MetricsLog:
     """Per-step metric tensors, written to metrics.jsonl at flushes: one host sync per flush."""
 
-    def __init__(self, path: Path, write: bool, resume: tuple[int, int] | None = None):
+    def __init__(self, path: Path, write: bool, resume: tuple[int, int] | None = None, sink=None):
         # resume = (step, tokens) of the checkpoint a run resumes from: rows up to that step are
         # kept (a killed run may have logged later steps, which the resumed run logs again)
-        self.path, self.write, self.pending, self.losses = path, write, [], []
+        self.path, self.write, self.pending, self.losses, self.sink = path, write, [], [], sink
         self.tokens_total, self.window_start, self.start = 0, time.perf_counter(), time.perf_counter()
         kept = []
         if resume is not None:
@@ -189,11 +189,56 @@ class MetricsLog:
         if self.write:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
+            if self.sink is not None:
+                for row in rows:
+                    self.sink(row)
         self.losses += stacked["loss"]
         self.tokens_total += sum(tokens)
         self.pending, self.window_start = [], now
         last = rows[-1]
         return f"loss {last['loss']:.3f} acc0 {last['step_acc'][0]:.2f} {rate:.0f} tok/s"
+
+
+class WandbSink:
+    """Mirrors metrics.jsonl rows (and held-out evaluations, under eval/) to Weights & Biases.
+    The run lives in output_dir/wandb; WANDB_MODE=offline writes it there without a network
+    (`wandb sync` uploads it later). Created on the main process only."""
+
+    def __init__(self, project: str, name: str | None, config: dict, output_dir: Path):
+        import wandb  # optional: pip install -e .[wandb]
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, config=config, dir=str(output_dir))
+
+    def __call__(self, row: dict, prefix: str = "train/") -> None:
+        flat = {}
+        for key, value in row.items():
+            if key == "step":
+                continue
+            if isinstance(value, list):  # per TTT step / per head
+                flat.update({f"{prefix}{key}/{i}": v for i, v in enumerate(value)})
+            elif isinstance(value, int | float):
+                flat[prefix + key] = value
+        self.run.log(flat, step=row["step"])
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def wandb_sink(recipe, output_dir: Path, is_main: bool):
+    if not recipe.wandb_project or not is_main:
+        return None
+    try:
+        return WandbSink(recipe.wandb_project, recipe.wandb_name, _plain(recipe), output_dir)
+    except ImportError:
+        raise RecipeError("wandb_project is set but wandb is not installed: pip install -e .[wandb] "
+                          "(or set wandb_project=null)") from None
+
+
+def _plain(recipe) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(recipe)
 
 
 # ---- the loop, checkpoints and resume -------------------------------------------------------------
@@ -337,7 +382,7 @@ def resume_checkpoint(recipe, family: str) -> Path | None:
 
 # Recipe keys that may change between a run and its resumption without changing what is trained.
 RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "output_dir", "max_steps", "log_every", "save_every",
-                     "eval_every", "keep_last", "threads", "wandb"}
+                     "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
 
 
 def recipe_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:

@@ -72,6 +72,7 @@ from drafters.training import (
     save_run_checkpoint,
     train_loader,
     train_loop,
+    wandb_sink,
 )
 
 
@@ -102,6 +103,8 @@ class Recipe:
     eval_every: int = 0  # 0 = only at the end
     resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
     allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
+    wandb_name: str | None = None  # the wandb run name; null = wandb's
 
 
 @dataclass
@@ -190,6 +193,8 @@ def main(argv: list[str]) -> Summary:
     result = run.evaluate(total_steps)
     checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
     say(f"eagle: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
+    if run.sink is not None:
+        run.sink.finish()
     return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target,
                    accelerator.unwrap_model(objective).drafter)
 
@@ -216,6 +221,8 @@ def check(recipe: Recipe) -> None:
         problems.append(f"optim.betas={optim.betas} must be two numbers in [0, 1)")
     if optim.max_grad_norm is not None and optim.max_grad_norm <= 0:
         problems.append(f"optim.max_grad_norm={optim.max_grad_norm} must be > 0 or null (no clipping)")
+    if optim.clip_value is not None and optim.clip_value <= 0:
+        problems.append(f"optim.clip_value={optim.clip_value} must be > 0 or null (no clipping by value)")
     problems += check_eagle1(recipe)
     if problems:
         raise RecipeError("recipe: " + "; ".join(problems))
@@ -270,7 +277,9 @@ class Run:
         self.train_rows, self.sampler = train_rows, sampler
         self.drafter = accelerator.unwrap_model(objective).drafter
         self.inputs = target_inputs_fn(recipe, target, self.drafter)  # batch -> (features, target logits)
-        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed)
+        self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
+        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
+                              sink=self.sink)
         self.tokens_total = self.log.tokens_total
         if accelerator.is_main_process and resumed is None:
             (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
@@ -345,6 +354,8 @@ class Run:
             tqdm.write(format_eval(result))  # keeps the progress bar intact
             with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(result) + "\n")
+            if self.sink is not None:
+                self.sink(result, prefix="eval/")
         self.accelerator.wait_for_everyone()
         return result
 
