@@ -222,7 +222,10 @@ class WandbSink:
         self.run.log(flat, step=row["step"])
 
     def finish(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # waits for the wandb service to write everything out
 
 
 def wandb_sink(recipe, output_dir: Path, is_main: bool):
