@@ -182,13 +182,13 @@ def test_load_proposer_rejects_unknown_specs_and_foreign_checkpoints(tmp_path):
 def test_native_checkpoint_for_another_target_is_refused(tmp_path):
     llama, gemma = load_target("tiny-random-llama"), load_target("tiny-random-gemma3")
     weights = {"fc.weight": torch.zeros(2, 2)}
-    save_checkpoint(tmp_path / "ckpt", family="medusa", config={}, target=target_info(gemma),
+    save_checkpoint(tmp_path / "ckpt", family="hydra", config={}, target=target_info(gemma),
                     state_dict=weights)
     wider = dict(target_info(llama), hidden_size=128)
     save_checkpoint(tmp_path / "wide", family="eagle3", config={}, target=wider, state_dict=weights)
     with pytest.raises(ValueError, match="hidden_size: checkpoint 128 vs target 64"):
         load_proposer(str(tmp_path / "wide"), llama, ChainSpec(4))
-    with pytest.raises(ValueError, match="no proposer for family 'medusa'"):
+    with pytest.raises(ValueError, match="no proposer for family 'hydra'"):
         load_proposer(str(tmp_path / "ckpt"), gemma, ChainSpec(4))
     save_checkpoint(tmp_path / "broken", family="eagle3", config={}, target=target_info(gemma), state_dict=weights)
     with pytest.raises(ValueError, match="drafter config does not fit Eagle3Config"):

@@ -1,0 +1,180 @@
+"""Heads proposer: a trained Medusa or Blockwise drafter drafts the decoder's tree.
+
+The heads read one vector per round: the target's final-normed last hidden state x_t at the last
+committed position t (TargetNeeds(last_hidden=True); from the prefill at `reset`, from the
+verification forward at `update`). The target predicted token t+1 from x_t: that is the pending
+token, the tree's root. Head k predicts t+k+2, so every node at depth d is drawn from head d-1's
+distribution, whatever its parent; a rank path (r_1 .. r_d) holds head 0's rank-r_1 candidate,
+..., head d-1's rank-r_d candidate. Trees: `chain:K` (each head's top-1), a static shape (the
+calibrated one a training run writes to its checkpoint: `static:CHECKPOINT/tree.json`, or
+`tree=None` from Python), or `dynamic:` (EAGLE-2 expansion by cumulative head log-probs). Depth
+is at most the number of heads.
+
+Sampling (temperature > 0) on chain and static trees: each node's children are drawn WITHOUT
+replacement from q = warp(head d logits) (the sampling settings of the target), in child order,
+and q is handed to the verifier as `draft_probs`: lossless, whatever q is. Draws are independent
+per parent node. Dynamic trees keep deterministic top-k drafts at every temperature (verified as
+one-hot proposals, lossless), as in the EAGLE proposer. Knows nothing about the target model (it
+gets the last hidden state and the frozen LM head weight) nor verification.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint
+from drafters.medusa import MedusaConfig, MedusaHeads
+from drafters.proposers import TargetNeeds
+from drafters.proposers.eagle import chain_shape, sibling_order, with_draft_probs
+from drafters.sampling import SamplingConfig, sample_without_replacement, warp
+from drafters.tree import (
+    ChainSpec,
+    DynamicSpec,
+    Frontier,
+    StaticSpec,
+    Tree,
+    TreeShape,
+    TreeSpec,
+    build_dynamic_tree,
+    build_static_tree,
+    parse_tree_spec,
+)
+
+FAMILIES = {"medusa": (MedusaConfig, MedusaHeads), "blockwise": (BlockwiseConfig, BlockwiseHeads)}
+TREE_FILE = "tree.json"  # the calibrated rank paths a training run writes into each evaluated checkpoint
+
+
+class HeadsProposer:
+    needs = TargetNeeds(last_hidden=True)
+
+    def __init__(self, drafter, lm_head: Tensor, tree: TreeSpec, *, seed: int = 0):
+        # drafter: MedusaHeads | BlockwiseHeads; lm_head (V, d) the frozen target LM head weight
+        self.drafter, self.lm_head, self.tree = drafter, lm_head, tree
+        self.num_heads = drafter.config.num_heads
+        deepest = (tree.length if isinstance(tree, ChainSpec) else tree.depth if isinstance(tree, DynamicSpec)
+                   else tree.shape.max_depth)
+        if deepest > self.num_heads:
+            raise ValueError(f"tree of depth {deepest} for a drafter with {self.num_heads} heads: depth d is drafted "
+                             f"by head d-1, so use a tree of depth <= {self.num_heads}")
+        self.depth = tree.length if isinstance(tree, ChainSpec) else None  # AdaptiveChain sets it
+        self.generator = torch.Generator(lm_head.device).manual_seed(seed)  # sampled drafts only
+        self.last = None  # (d,) x_t at the last committed position
+
+    def reset(self, prompt_ids: Tensor, features) -> None:
+        self.last = features.last_hidden[0, -1]
+
+    def update(self, new_tokens: Tensor, features, pending: int) -> None:
+        # features at the committed tokens' positions; the last one is the new t
+        self.last = features.last_hidden[0, -1]
+
+    @torch.no_grad()
+    def head_logits(self, depth: int) -> Tensor:
+        # -> (depth, V): row d = head d's logits at x_t, the candidates for tree depth d+1
+        heads = list(range(depth))
+        states = self.drafter.states(self.last.to(self.lm_head.dtype), heads)  # (depth, d)
+        return torch.stack([self.drafter.project(states[k], k, self.lm_head) for k in heads])
+
+    @torch.no_grad()
+    def propose(self, context: Tensor, pending: int, sampling: SamplingConfig) -> Tree:
+        if self.last is None:
+            raise RuntimeError("HeadsProposer: no target hidden state yet; call reset() after the prefill and "
+                               "update() every round")
+        if isinstance(self.tree, DynamicSpec):  # top-k drafts at every temperature (module docstring)
+            t = self.tree
+            logp = self.head_logits(t.depth).float().log_softmax(-1)  # (depth, V)
+            return build_dynamic_tree(pending, lambda f: logp[f.depth].expand(len(f.nodes), -1),
+                                      depth=t.depth, topk=t.topk, total=t.total)
+        shape = chain_shape(min(self.depth, self.num_heads)) if self.depth is not None else self.tree.shape
+        logits = self.head_logits(shape.max_depth)  # (D, V)
+        if sampling.greedy:
+            logp = logits.float().log_softmax(-1)
+            return build_static_tree(shape, pending, lambda f: logp[f.depth].expand(len(f.nodes), -1))
+        shape = sibling_order(shape)  # child rank r = its parent's draw r
+        q = warp(logits, sampling)  # (D, V) float32
+        draws, probs = 1 + max(shape.ranks), {}
+
+        def expand(frontier: Frontier) -> Tensor:
+            # every frontier node draws its own children from q[depth], in draw order
+            probs.update((node, q[frontier.depth]) for node in frontier.nodes.tolist())
+            scores = torch.full((len(frontier.nodes), q.shape[-1]), float("-inf"), device=q.device)
+            for row in range(len(frontier.nodes)):
+                drawn = sample_without_replacement(q[frontier.depth], draws, self.generator)  # (<= draws,)
+                scores[row, drawn] = -torch.arange(drawn.numel(), dtype=q.dtype, device=q.device)
+            return scores
+
+        return with_draft_probs(build_static_tree(shape, pending, expand), probs)
+
+
+# ---------------------------------------------------------------- loading a native checkpoint
+
+
+def load_heads(ckpt: Checkpoint):
+    """-> the MedusaHeads / BlockwiseHeads of a native checkpoint, weights loaded (float32, CPU)."""
+    if ckpt.family not in FAMILIES:
+        raise CheckpointError(f"{ckpt.path}: a {ckpt.family!r} checkpoint, not a heads drafter "
+                              f"({' / '.join(FAMILIES)})")
+    config_cls, module_cls = FAMILIES[ckpt.family]
+    try:
+        config = config_cls(**ckpt.config)
+        drafter = module_cls(config)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{ckpt.path}: drafter config does not fit {config_cls.__name__} ({err})") from None
+    try:
+        drafter.load_state_dict(ckpt.state_dict, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{ckpt.path}: weights do not match the drafter config: {err}") from None
+    return drafter
+
+
+def check_heads_config(config, target, where) -> None:
+    have = target.config.get_text_config()
+    wrong = [f"{key}: drafter {getattr(config, key)} vs target {getattr(have, key)}"
+             for key in ("hidden_size", "vocab_size") if getattr(config, key) != getattr(have, key)]
+    if wrong:
+        raise CheckpointError(f"{where}: this heads drafter does not fit target {target.name!r}: "
+                              + "; ".join(wrong) + ". Train a drafter for this target")
+
+
+def calibrated_tree(ckpt: Checkpoint) -> StaticSpec:
+    tree = ckpt.extra.get("tree") or {}
+    if not tree.get("paths"):
+        raise CheckpointError(f"{ckpt.path}: no calibrated tree in the checkpoint (the run had no held-out "
+                              "rows to calibrate on); give a tree spec such as chain:3 or static:medusa")
+    return StaticSpec(TreeShape.from_paths(tree["paths"]), f"calibrated:{ckpt.path}")
+
+
+def heads_proposer_from_checkpoint(ckpt: Checkpoint, target, tree_spec: str | TreeSpec | None, *,
+                                   seed: int = 0) -> HeadsProposer:
+    # ckpt: a loaded medusa / blockwise checkpoint; tree_spec None = its calibrated tree
+    check_target(ckpt, target)
+    drafter = load_heads(ckpt)
+    check_heads_config(drafter.config, target, ckpt.path)
+    drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    if tree_spec is None:
+        tree = calibrated_tree(ckpt)
+    else:
+        tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
+    return HeadsProposer(drafter, target.lm_head.weight.detach(), tree, seed=seed)
+
+
+def load_heads_proposer(path, target, tree_spec: str | TreeSpec | None = None, *, seed: int = 0) -> HeadsProposer:
+    return heads_proposer_from_checkpoint(load_checkpoint(Path(path)), target, tree_spec, seed=seed)
+
+
+# ---------------------------------------------------------------- loading a Medusa-format export
+
+
+def medusa_export_proposer(path, config: dict, target, tree_spec: str | TreeSpec) -> HeadsProposer:
+    """An exported Medusa directory (ours or another trainer's: config.json + medusa_lm_head.safetensors),
+    read and validated by the independent reader in drafters.export_medusa."""
+    from drafters.checkpoint import target_info
+    from drafters.export_medusa import read_medusa_export
+
+    medusa, state, _, _ = read_medusa_export(path, target=target_info(target))
+    drafter = MedusaHeads(medusa)
+    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
+    return HeadsProposer(drafter, target.lm_head.weight.detach(), tree)

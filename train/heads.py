@@ -1,0 +1,448 @@
+"""Train Medusa-1 or Blockwise heads on a frozen target, online: target features are computed per batch.
+
+    accelerate launch train/heads.py recipes/medusa_smollm2.yaml [key=value ...]
+    python train/heads.py recipes/blockwise_tiny.yaml max_steps=3 output_dir=/tmp/run
+
+Flow: recipe -> frozen target -> examples (chat template + assistant loss mask) -> deterministic
+train / held-out split -> heads (drafters.medusa: K heads of residual blocks + an LM head copied
+from the target's, or the target's own with medusa.share_lm_head; drafters.blockwise: one hidden
+layer d -> K*f -> K*d, residual per head, the frozen target LM head) -> AdamW with linear warmup then
+cosine or constant lr -> loop: the target's last hidden state (and its logits when distilling; no
+grad) -> per-head cross-entropy, head k on token t+k+2 (drafters.heads) -> backward -> clip -> step.
+
+Losses: medusa  sum_k medusa.step_weight^k CE_k (0.8: Medusa's decay; 1.0: the plain sum)
+        blockwise  mean_k CE_k, or (blockwise.loss=sample_one, the paper's memory-saving rule) the
+                CE of one head drawn uniformly per micro-batch (the same head on every process)
+        distill=true: CE against the target's own distribution for token t+k+2 (self-distillation)
+                instead of the data token.
+Held-out evaluation = calibration: per head, how often its rank-r candidate is the target's greedy
+token; from these, the draft tree (tree.kind greedy: the tree.budget nodes of highest acceptance
+probability, drafters.heads_tree) and its predicted mean accepted length tau_pred.
+
+Writes to output_dir (relative paths in the recipe are relative to the current directory):
+    metrics.jsonl       one row per optimizer step; step_loss / step_acc / step_acc_top5 are per head
+    eval.jsonl          one row per held-out evaluation (per-head top-1 / top-5, tree, tau_pred)
+    checkpoint-{step}/  every save_every steps (resumable), and checkpoint-final/ (drafters.checkpoint
+                        format, family medusa | blockwise); evaluated checkpoints hold the calibrated
+                        tree in drafter.json (extra.tree) and as tree.json (rank paths, usable as
+                        `--tree static:CHECKPOINT/tree.json`)
+Metrics come from the main process's batches; tokens/s counts real (non-pad) tokens of all
+processes. Knows nothing about decoding or export formats.
+"""
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
+from drafters.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, target_info
+from drafters.data import collate
+from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
+from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
+from drafters.medusa import MedusaConfig, MedusaHeads
+from drafters.proposers.heads import TREE_FILE
+from drafters.recipe import RecipeError, load_recipe, to_dict
+from drafters.targets import Target, load_target
+from drafters.training import (
+    Data,
+    MetricsLog,
+    Optim,
+    Position,
+    check_resume,
+    length_sorted_batches,
+    load_examples,
+    load_run_state,
+    lr_factor,
+    pad_id,
+    plan_steps,
+    resume_checkpoint,
+    save_run_checkpoint,
+    train_loader,
+    train_loop,
+    wandb_sink,
+)
+
+
+@dataclass
+class MedusaOptions:
+    num_layers: int = 1  # residual blocks per head
+    share_lm_head: bool = False  # true: every head projects with the frozen target LM head ("version 2")
+    step_weight: float = 0.8  # head k's loss weighs step_weight ** k; 1.0 = the plain sum
+
+
+@dataclass
+class BlockwiseOptions:
+    loss: Literal["mean", "sample_one"] = "mean"  # sample_one: one head per micro-batch, drawn uniformly
+    hidden_per_head: int = 0  # f: the hidden layer is num_heads * f wide; 0 = the target's hidden size
+
+
+@dataclass
+class TreeOptions:
+    kind: Literal["greedy", "cartesian", "chain"] = "greedy"  # greedy: calibrated for the budget
+    budget: int = 63  # greedy: draft nodes, root excluded
+    topk: int = 10  # candidates per head measured on the held-out set; greedy uses ranks < topk
+    cartesian: list[int] = field(default_factory=lambda: [4, 3, 2, 1])  # kind=cartesian: top-k per depth
+
+
+@dataclass
+class Recipe:
+    target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
+    data: Data
+    drafter: Literal["medusa", "blockwise"] = "medusa"
+    output_dir: str = "outputs/heads"
+    num_heads: int = 4  # head k predicts token t+k+2
+    medusa: MedusaOptions = field(default_factory=MedusaOptions)
+    blockwise: BlockwiseOptions = field(default_factory=BlockwiseOptions)
+    distill: bool = False  # train on the target's distribution for token t+k+2 instead of the data token
+    tree: TreeOptions = field(default_factory=TreeOptions)
+    optim: Optim = field(default_factory=Optim)
+    batch_size: int = 1  # per process
+    grad_accum: int = 1
+    epochs: int | None = 1
+    max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the target's weights
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the heads (accelerate)
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
+    save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
+    keep_last: int = 0  # keep only the newest N checkpoint-<step> directories; 0 = all
+    eval_every: int = 0  # 0 = only at the end
+    resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
+    allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
+    wandb_name: str | None = None  # the wandb run name; null = wandb's
+
+
+@dataclass
+class Summary:
+    steps: int
+    tokens: int
+    losses: list[float]  # total loss per optimizer step (main process)
+    eval: dict | None
+    checkpoint: Path
+    target: Target
+    drafter: MedusaHeads | BlockwiseHeads
+
+
+def main(argv: list[str]) -> Summary:
+    if not argv:
+        raise SystemExit("usage: python train/heads.py RECIPE.yaml [key=value ...]")
+    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    check(recipe)
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    # cpu=True on machines without an accelerator, so torchrun / accelerate launch with several
+    # processes there runs gloo DDP instead of independent copies
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, cpu=not torch.accelerator.is_available())
+    say = accelerator.print
+
+    target = load_target(recipe.target, dtype=recipe.dtype)
+    target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
+    resume = resume_checkpoint(recipe, recipe.drafter)
+    if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
+        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
+    train_rows, held_out = load_examples(recipe, target, say)
+    check_heads_have_labels(recipe, train_rows)
+    set_seed(recipe.seed)  # the heads' initialisation and nothing before it
+    drafter = build_drafter(recipe, target)
+    trainable = sum(p.numel() for p in drafter.parameters())
+    say(f"heads: {recipe.drafter} drafter, {recipe.num_heads} heads, {trainable / 1e6:.2f}M trainable parameters "
+        f"(target: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M, frozen)")
+
+    objective = HeadsObjective(drafter)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
+                                  weight_decay=recipe.optim.weight_decay)
+    loader = train_loader(recipe, train_rows, pad_id(target))
+    sampler = loader.batch_sampler
+    objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
+    total_steps = plan_steps(recipe, len(loader))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
+    accelerator.register_for_checkpointing(scheduler)
+    eval_batches = [collate(batch, pad_id(target)) for batch in length_sorted_batches(held_out, recipe.batch_size)]
+    if not eval_batches:
+        say("heads: no held-out rows (data.eval_rows / eval_fraction): no calibrated tree will be written")
+
+    output_dir = Path(recipe.output_dir)
+    step, position, resumed = 0, Position(), None
+    if resume is not None:
+        step, position, tokens = load_run_state(accelerator, resume)
+        resumed = (step, tokens)
+        say(f"heads: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
+    run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
+    losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
+    result = run.evaluate(total_steps)
+    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
+    say(f"heads: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
+    if run.sink is not None:
+        run.sink.finish()
+    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target,
+                   accelerator.unwrap_model(objective).drafter)
+
+
+def check(recipe: Recipe) -> None:
+    positive = ["num_heads", "batch_size", "grad_accum", "log_every"]
+    problems = [f"{name}={getattr(recipe, name)} must be >= 1" for name in positive if getattr(recipe, name) < 1]
+    problems += [f"{name}={getattr(recipe, name)} must be >= 0 (0 = off)" for name in
+                 ("save_every", "eval_every", "threads", "keep_last") if getattr(recipe, name) < 0]
+    problems += [f"{name}={getattr(recipe, name)} must be >= 1 or null" for name in
+                 ("epochs", "max_steps") if getattr(recipe, name) is not None and getattr(recipe, name) < 1]
+    if recipe.epochs is None and recipe.max_steps is None:
+        problems.append("set epochs or max_steps (or both: whichever ends first)")
+    data, optim, medusa, tree = recipe.data, recipe.optim, recipe.medusa, recipe.tree
+    if data.max_length < recipe.num_heads + 2:
+        # head k trains on (position t, token t+k+2): the last head needs K+2 tokens in a sequence
+        problems.append(f"num_heads={recipe.num_heads} needs data.max_length >= num_heads + 2 = {recipe.num_heads + 2} "
+                        f"(head k predicts token t+k+2), got {data.max_length}; lower num_heads or raise max_length")
+    if medusa.num_layers < 0 or medusa.step_weight <= 0:
+        problems.append(f"medusa.num_layers={medusa.num_layers} must be >= 0 and medusa.step_weight="
+                        f"{medusa.step_weight} > 0")
+    if recipe.blockwise.hidden_per_head < 0:
+        problems.append(f"blockwise.hidden_per_head={recipe.blockwise.hidden_per_head} must be >= 1 (0 = hidden size)")
+    if recipe.drafter != "blockwise" and recipe.blockwise.loss != "mean":
+        problems.append(f"blockwise.loss={recipe.blockwise.loss} applies to drafter=blockwise only")
+    if tree.budget < 1 or tree.topk < 1:
+        problems.append(f"tree.budget={tree.budget} and tree.topk={tree.topk} must be >= 1")
+    if tree.kind == "cartesian" and (not tree.cartesian or len(tree.cartesian) > recipe.num_heads
+                                     or min(tree.cartesian) < 1 or max(tree.cartesian) > tree.topk):
+        problems.append(f"tree.cartesian={tree.cartesian} must list 1..num_heads={recipe.num_heads} top-k values, "
+                        f"each in [1, tree.topk={tree.topk}] (depth d is drafted by head d-1)")
+    if not 0 <= data.eval_fraction < 1 or (data.eval_rows is not None and data.eval_rows < 0):
+        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1), data.eval_rows >= 0")
+    if optim.lr <= 0 or optim.warmup_steps < 0 or optim.weight_decay < 0:
+        problems.append(f"optim.lr={optim.lr} must be > 0, warmup_steps and weight_decay >= 0")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        problems.append(f"optim.betas={optim.betas} must be two numbers in [0, 1)")
+    if optim.max_grad_norm is not None and optim.max_grad_norm <= 0:
+        problems.append(f"optim.max_grad_norm={optim.max_grad_norm} must be > 0 or null (no clipping)")
+    if problems:
+        raise RecipeError("recipe: " + "; ".join(problems))
+
+
+def check_heads_have_labels(recipe: Recipe, rows) -> None:
+    # the last head trains on (t, t+K+1) pairs whose token t+K+1 is a target: at least one must exist
+    shift = recipe.num_heads + 1
+    if not any(any(example.loss_mask[shift:]) for example in rows):
+        raise RecipeError(f"num_heads={recipe.num_heads}: no training example has a target token at position >= "
+                          f"{shift}, so head {recipe.num_heads - 1} (token t+{shift}) would never train; lower "
+                          "num_heads or use longer conversations")
+
+
+# ---- set-up ---------------------------------------------------------------------------------------
+
+
+def build_drafter(recipe: Recipe, target: Target) -> MedusaHeads | BlockwiseHeads:
+    if recipe.drafter == "medusa":
+        m = recipe.medusa
+        config = MedusaConfig.from_target_config(target.config, num_heads=recipe.num_heads, num_layers=m.num_layers,
+                                                 share_lm_head=m.share_lm_head)
+        drafter = MedusaHeads(config)
+        drafter.init_from_target(target.lm_head.weight.float())  # no-op with share_lm_head
+    else:
+        config = BlockwiseConfig.from_target_config(target.config, num_heads=recipe.num_heads,
+                                                    hidden_per_head=recipe.blockwise.hidden_per_head)
+        drafter = BlockwiseHeads(config)
+    return drafter.to(target.device)
+
+
+def loss_weights(recipe: Recipe, micro_index: int | None = None) -> dict[int, float]:
+    """{head k: weight}. micro_index: the run's global micro-batch count, which picks sample_one's head
+    (a pure function of seed and count, so every process and a resumed run pick the same one)."""
+    K = recipe.num_heads
+    if recipe.drafter == "medusa":
+        return {k: recipe.medusa.step_weight ** k for k in range(K)}
+    if recipe.blockwise.loss == "sample_one" and micro_index is not None:
+        generator = torch.Generator().manual_seed(recipe.seed * 1_000_003 + micro_index)
+        return {int(torch.randint(K, (), generator=generator)): 1.0}
+    return {k: 1.0 / K for k in range(K)}
+
+
+class HeadsObjective(nn.Module):
+    """What accelerate prepares (DDP syncs gradients through forward): the heads' loss on one batch.
+    The target stays outside; its last hidden state, logits and LM head weight are arguments."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, hidden, input_ids, loss_mask, lm_head, weights, teacher_logits=None) -> HeadsOutput:
+        return heads_loss(self.drafter, hidden, input_ids, loss_mask, lm_head, weights=weights,
+                          teacher_logits=teacher_logits)
+
+
+def target_inputs(target: Target, batch: dict, dtype: torch.dtype, logits: bool):
+    """-> last hidden state (B, T, d) in the heads' dtype, target logits (B, T, V) or None; no grad."""
+    out = target.features(batch["input_ids"], batch["attention_mask"], logits=logits)
+    return out.last_hidden.to(dtype), out.logits
+
+
+# ---- the loop (drafters.training.train_loop) ------------------------------------------------------
+
+
+class Run:
+    """The pieces of one training run that the loop, the evaluation and the saving share."""
+
+    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
+                 sampler, resumed: tuple[int, int] | None = None):
+        self.recipe, self.accelerator, self.target = recipe, accelerator, target
+        self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
+        self.train_rows, self.sampler = train_rows, sampler
+        self.drafter = accelerator.unwrap_model(objective).drafter
+        self.dtype = next(self.drafter.parameters()).dtype
+        self.lm_head = target.lm_head.weight.detach().to(self.dtype)  # (V, d) frozen, a copy in the heads' dtype
+        self.micro_index = 0 if resumed is None else resumed[0] * recipe.grad_accum  # picks sample_one's head
+        self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
+        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
+                              sink=self.sink)
+        self.tokens_total = self.log.tokens_total
+        if accelerator.is_main_process and resumed is None:
+            (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+
+    def rows_of(self, passes: int, micro: int) -> str:
+        # 'file:line, ...' of the rows in micro-batch `micro` (0-based) of pass `passes`, this process
+        batches = self.sampler.batches(passes)[self.accelerator.process_index::self.accelerator.num_processes]
+        rows = [self.train_rows[i] for i in batches[micro]] if micro < len(batches) else []
+        return ", ".join(f"{e.source}:{e.row}" for e in rows) or "?"
+
+    def micro_step(self, batch: dict, acc: dict | None) -> dict:
+        """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
+        hidden, teacher = target_inputs(self.target, batch, self.dtype, logits=self.recipe.distill)
+        weights = loss_weights(self.recipe, self.micro_index)
+        self.micro_index += 1
+        out = self.objective(hidden, batch["input_ids"], batch["loss_mask"], self.lm_head, weights, teacher)
+        self.accelerator.backward(out.loss / self.recipe.grad_accum)
+        scale = 1.0 / self.recipe.grad_accum
+        metrics = {
+            "loss": out.loss.detach() * scale,
+            "step_losses": out.head_losses * scale,  # (K,) per head; 0 for a head sample_one skipped
+            "correct": out.correct,  # (K,) top-1 == label
+            "correct_top5": out.correct_top5,  # (K,) label in the top-5
+            "counted": out.counts,
+            "tokens": batch["attention_mask"].sum(),  # real tokens, no padding
+        }
+        return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
+
+    def flush_due(self, step: int, total_steps: int) -> bool:
+        # log steps, the last step, and before a checkpoint (so its token count is exact)
+        save_every = self.recipe.save_every
+        return step % self.recipe.log_every == 0 or step == total_steps or bool(save_every and step % save_every == 0)
+
+    def reduce_sum(self, values: Tensor) -> Tensor:
+        return self.accelerator.reduce(values, reduction="sum")
+
+    def periodic(self, step: int, total_steps: int, position: Position) -> None:
+        if step == total_steps:
+            return  # the end of main() evaluates and saves checkpoint-final
+        recipe = self.recipe
+        if recipe.eval_every and step % recipe.eval_every == 0:
+            result = self.evaluate(step)
+            self.objective.train()
+        else:
+            result = None
+        if recipe.save_every and step % recipe.save_every == 0:
+            self.save(self.output_dir / f"checkpoint-{step}", step, result, position)
+            if self.accelerator.is_main_process:
+                prune_checkpoints(self.output_dir, self.recipe.keep_last)
+
+    def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
+        """checkpoint-final: the heads only; with a data position: resumable (trainer state too).
+        An evaluated checkpoint carries its calibrated tree (extra.tree and tree.json)."""
+        self.tokens_total = self.log.tokens_total
+        tree = None if result is None else result["tree"]
+        extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result,
+                 "tree": tree}
+        checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
+                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(), "extra": extra}
+        if position is not None:
+            save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
+        elif self.accelerator.is_main_process:
+            save_checkpoint(path, **checkpoint)
+        if self.accelerator.is_main_process and tree is not None:  # a copy of extra.tree, for --tree static:
+            (path / TREE_FILE).write_text(json.dumps(tree["paths"]) + "\n")
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def evaluate(self, step: int) -> dict | None:
+        result = None
+        if self.eval_batches and self.accelerator.is_main_process:
+            result = evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator, self.lm_head)
+            result["step"] = step
+            tqdm.write(format_eval(result))  # keeps the progress bar intact
+            with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
+            if self.sink is not None:  # scalars and per-head lists; the tree as its node count
+                scalars = {k: v for k, v in result.items() if k not in ("rank_acc", "tree")}
+                self.sink({**scalars, "tree_draft_nodes": result["tree"]["draft_nodes"]}, prefix="eval/")
+        self.accelerator.wait_for_everyone()
+        return result
+
+
+# ---- held-out evaluation and tree calibration -----------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(drafter, target: Target, batches: list[dict], recipe: Recipe, accelerator, lm_head: Tensor) -> dict:
+    """On the held-out rows, per head k (predicting token t+k+2 from position t):
+        rank_acc[k][r] = P(head k's rank-r candidate == the target's greedy token for t+k+2), the
+                         token greedy verification accepts after a correct prefix (drafters.heads.rank_hits)
+        top1 = rank_acc[k][0], top5 = sum_{r<5} rank_acc[k][r]
+        loss, head_loss = the training objective (sample_one evaluates the mean over heads)
+    The tree is built from rank_acc (drafters.heads_tree, heads assumed independent) and
+        tau_pred = 1 + sum over its nodes of prod_{depth d} rank_acc[d-1][r_d]
+    predicts the mean accepted length (bonus token included) of greedy decoding with it; tau_pred_chain
+    the same for a chain of each head's top-1. The tree is calibrated on these same rows."""
+    drafter.eval()
+    K, ranks = recipe.num_heads, max(recipe.tree.topk, TOPK_METRIC)
+    hits, counts = torch.zeros(K, ranks), torch.zeros(K)
+    loss, head_losses = torch.zeros(()), torch.zeros(K)
+    weights = loss_weights(recipe)  # no micro index: all heads
+    for batch in batches:
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        hidden, target_logits = target_inputs(target, batch, lm_head.dtype, logits=True)
+        with accelerator.autocast():
+            out = heads_loss(drafter, hidden, batch["input_ids"], batch["loss_mask"], lm_head, weights=weights,
+                             teacher_logits=target_logits if recipe.distill else None)
+            batch_hits, batch_counts = rank_hits(drafter, hidden, target_logits, batch["loss_mask"], lm_head, ranks)
+        hits += batch_hits.cpu()
+        counts += batch_counts.cpu()
+        loss += out.loss.cpu()
+        head_losses += out.head_losses.cpu()
+    rank_acc = accuracy_table(hits, counts)
+    tree = build_tree(recipe, [row[: recipe.tree.topk] for row in rank_acc])
+    return {"loss": (loss / len(batches)).item(), "head_loss": (head_losses / len(batches)).tolist(),
+            "head_top1": [row[0] for row in rank_acc], "head_top5": [sum(row[:TOPK_METRIC]) for row in rank_acc],
+            "rank_acc": rank_acc, "supervised": [int(c) for c in counts.tolist()],
+            "tau_pred": tree.expected_tau, "tau_pred_chain": chain_tree(rank_acc, K).expected_tau,
+            "tree": tree.to_dict()}
+
+
+def build_tree(recipe: Recipe, rank_acc: list[list[float]]) -> HeadsTree:
+    tree = recipe.tree
+    if tree.kind == "greedy":
+        return greedy_tree(rank_acc, tree.budget)
+    if tree.kind == "cartesian":
+        return cartesian_tree(rank_acc, tree.cartesian)
+    return chain_tree(rank_acc, recipe.num_heads)
+
+
+def format_eval(result: dict) -> str:
+    top1 = " ".join(f"{a:.3f}" for a in result["head_top1"])
+    top5 = " ".join(f"{a:.3f}" for a in result["head_top5"])
+    tree = result["tree"]
+    return (f"eval @ step {result['step']}: loss {result['loss']:.4f}, per-head top-1 [{top1}] top-5 [{top5}] "
+            f"(vs the target's greedy token, {result['supervised'][0]} positions for head 0); {tree['kind']} tree "
+            f"of {tree['draft_nodes']} draft nodes excl. root: tau_pred {result['tau_pred']:.3f} (chain of "
+            f"{len(result['head_top1'])}: {result['tau_pred_chain']:.3f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
