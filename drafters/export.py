@@ -5,6 +5,10 @@
     vllm    vLLM speculators: config.json (speculators_model_type eagle3) + model.safetensors
             with layers.0.* instead of midlayer.*
     native  a validated copy of the drafters checkpoint (any family)
+    medusa  Medusa / TGI: config.json (medusa_num_heads, ...) + medusa_lm_head.safetensors; medusa
+            checkpoints only (writer and independent reader: drafters.export_medusa)
+    eagle1  official EAGLE-1 layout: config.json + fc.*, layers.0.*; eagle1 checkpoints trained on
+            normed features only (writer and independent reader: drafters.export_eagle1)
 
 Knows nothing about training, targets' weights or decoding. It refuses, before anything lands in
 the output directory, every export an engine would load and then run with collapsed acceptance,
@@ -51,7 +55,7 @@ from drafters.checkpoint import (
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
-FORMATS = ("sglang", "vllm", "native")
+FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
@@ -81,6 +85,14 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)
+        from drafters.export_medusa import export_medusa
+
+        return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
+    if fmt == "eagle1":  # official EAGLE-1 layout: writer and independent reader in drafters.export_eagle1
+        from drafters.export_eagle1 import export_eagle1
+
+        return export_eagle1(ckpt_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if speculative_tokens < 1:

@@ -7,6 +7,9 @@
             --speculative-draft-model-path DIR)
     vllm    vLLM speculators layout (--speculative-config '{"model": "DIR", ...}')
     native  a validated copy of the drafters checkpoint
+    medusa  Medusa / TGI layout (config.json + medusa_lm_head.safetensors), Medusa heads only
+    eagle1  official EAGLE-1 layout (config.json + fc.*, layers.0.*), EAGLE-1 drafters trained with
+            eagle1.feature=normed only
 
 Nothing is written when the checkpoint would load in the engine but lose acceptance (context
 length, vocabulary or layer ids that do not match the target, missing d2t / t2d, another
@@ -34,7 +37,8 @@ def parse_args(argv):
     p.add_argument("--speculative-tokens", type=int, default=3,
                    help="vllm: proposal_methods[0].speculative_tokens (vLLM's default depth)")
     p.add_argument("--verifier", default=None,
-                   help="vllm: verifier name_or_path to record (default: the target's name)")
+                   help="vllm: verifier name_or_path to record; medusa: base_model_name_or_path "
+                        "(default: the target's name, or its Hub id for the shipped targets)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return p.parse_args(argv)
 

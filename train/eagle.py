@@ -168,7 +168,7 @@ def main(argv: list[str]) -> Summary:
         say(f"eagle: EAGLE-1 drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
             f"{drafter.config.feature} features {'from ' + recipe.features.dir if store else 'online'}, "
             f"full vocab {target.vocab_size}")
-        objective = Eagle1Objective(drafter, recipe.eagle1)
+        objective = Eagle1Objective(drafter, recipe.eagle1, recipe.seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
                                   weight_decay=recipe.optim.weight_decay)
     loader = train_loader(recipe, train_rows, pad_id(target)) if store is None else \

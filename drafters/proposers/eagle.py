@@ -37,7 +37,7 @@ from drafters.tree import (ChainSpec, DynamicSpec, Frontier, Tree, TreeShape, Tr
 
 def eagle3_inputs(drafter):
     # EAGLE-3: the aux layers' hidden states concatenated; drafter.fc projects them (3h -> h).
-    # differs in EAGLE-1: TargetNeeds(pre_norm_last=True), fuse = lambda f: f.pre_norm_last
+    # differs in EAGLE-1 (drafters.proposers.eagle1.eagle1_inputs): the last hidden state, no fusion
     layers = tuple(drafter.config.aux_layers)
     return TargetNeeds(layers=layers), lambda f: fuse_features(f.hidden_states, layers)  # (1, T, n*h)
 

@@ -20,6 +20,8 @@ from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.proposers import PROPOSERS
 from drafters.proposers.draft_model import DraftModelProposer
 from drafters.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
+from drafters.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
+from drafters.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
 from drafters.proposers.prompt_lookup import PromptLookupProposer
 from drafters.tree import ChainSpec, DynamicSpec, TreeSpec
 
@@ -30,12 +32,17 @@ PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<targe
 # match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
 FAMILY_LOADERS: dict[str, Callable] = {
     "eagle3": eagle_proposer_from_checkpoint,
+    "eagle1": eagle1_proposer_from_checkpoint,
+    "medusa": heads_proposer_from_checkpoint,
+    "blockwise": heads_proposer_from_checkpoint,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before.
 CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
     "sglang-eagle3": (lambda c: c.get("architectures") == ["LlamaForCausalLMEagle3"], eagle3_export_loader("sglang")),
     "vllm-eagle3": (lambda c: c.get("speculators_model_type") == "eagle3", eagle3_export_loader("vllm")),
+    "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
+    "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("bias") is True, eagle1_export_loader),
 }
 
 

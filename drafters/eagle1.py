@@ -1,0 +1,279 @@
+"""EAGLE-1 drafter: feature-level autoregression. FC(2h -> h, bias) over [embed(token_{t+1}); feature_t],
+one Llama decoder layer without its input norm, the target's frozen output head; drafted step by step on
+its own predicted features with its own KV cache.
+
+Alignment (DESIGN.md): position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}; the target's
+head on that feature gives the distribution of token_{t+2}. Labels are the target's row t+1: its
+feature and its logits (the target's distribution over token t+2).
+
+Feature (`Eagle1Config.feature`):
+    pre_norm  the last decoder layer's output before the final norm (the issue's reading of the paper);
+              logits = lm_head(final_norm(x)): the target's own head.
+    normed    the final-normed last hidden state (HF hidden_states[-1]), what the official EAGLE code
+              and SGLang feed the drafter; logits = lm_head(x). Engines that load the official layout
+              (drafters.export_eagle1) run only this one.
+The frozen head (target final norm, LM head, logit softcap) and embedding belong to the target: they are
+attached / passed in by the caller, never parameters of the drafter, never saved with it. The drafter has
+no reduced vocabulary: it drafts over all target ids (`draft_vocab` is the identity map).
+
+Module names are the official checkpoint's (`fc.{weight,bias}`, `layers.0.*`), so export is a copy.
+Differs from EAGLE-3 (drafters.eagle3): one h-wide input (no cat(embed, hidden) attention input, no
+hidden_norm), no input_layernorm, no own norm / lm_head / d2t, a step's hidden input goes through fc
+again with the next token, and the loss is feature regression + soft CE through the frozen head.
+Knows nothing about the target model, datasets or decoding trees.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from drafters.draft_vocab import DraftVocab
+from drafters.eagle3 import (
+    Eagle3Attention,
+    Eagle3Cache,
+    Eagle3Config,
+    shift_left,
+    ttt_attention_mask,
+    ttt_input_ids,
+    ttt_label_mask,
+)
+from drafters.losses import soft_cross_entropy
+
+FEATURES = ("pre_norm", "normed")
+
+
+@dataclass
+class Eagle1Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's: the drafter drafts over all of it
+    max_position_embeddings: int  # the target's
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    hidden_act: str = "silu"
+    feature: Literal["pre_norm", "normed"] = "pre_norm"
+
+    @classmethod
+    def from_target_config(cls, config, feature: str = "pre_norm") -> "Eagle1Config":
+        if feature not in FEATURES:
+            raise ValueError(f"EAGLE-1 feature {feature!r}: choose one of {', '.join(FEATURES)}")
+        # The layer geometry (GQA heads, head_dim, RoPE parameters, Gemma's names) is read as for EAGLE-3;
+        # layers=[0] and the full vocab only satisfy its checks, neither is used here.
+        cfg = config.get_text_config()
+        geometry = Eagle3Config.from_target_config(config, draft_vocab_size=cfg.vocab_size, layers=[0])
+        return cls(**{f.name: getattr(geometry, f.name) for f in fields(cls) if f.name != "feature"},
+                   feature=feature)
+
+    llama_config = Eagle3Config.llama_config  # the decoder layer as a LlamaConfig (RoPE, MLP)
+
+
+class FrozenHead:
+    """The target's output head as the drafter uses it; holds the target's modules (not registered, not
+    saved, never trained). x (..., h) -> logits (..., V):
+        pre_norm: softcap(lm_head(final_norm(x)))     normed: softcap(lm_head(x))
+    softcap(z) = c * tanh(z / c) where the target has a final-logit softcap c (Gemma-2 style), else z."""
+
+    def __init__(self, lm_head: nn.Module, final_norm: nn.Module | None, softcap: float | None = None):
+        self.lm_head, self.final_norm, self.softcap = lm_head, final_norm, softcap
+
+    @classmethod
+    def from_target(cls, target, feature: str) -> "FrozenHead":
+        softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+        return cls(target.lm_head, target.final_norm if feature == "pre_norm" else None, softcap)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.to(self.lm_head.weight.dtype)  # a float32 drafter on a bf16 target
+        if self.final_norm is not None:
+            # .forward, not __call__: the decoder's capture hook on this norm (drafters.decoding) must
+            # only ever see the target's own pre-norm states, never the drafter's
+            x = self.final_norm.forward(x)
+        logits = self.lm_head(x)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class Eagle1Attention(nn.Module):
+    """GQA attention on the h-wide fc output (differs from EAGLE-3: q/k/v read cat(embed, hidden), 2h)."""
+
+    def __init__(self, c: Eagle1Config):
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    project = Eagle3Attention.project  # x (B, T, h) -> q, k, v (B, H, T, D) with RoPE
+    attend = Eagle3Attention.attend  # softmax(q k^T / sqrt(D), mask) v -> o_proj -> (B, T, h)
+
+
+class Eagle1DecoderLayer(nn.Module):
+    """A Llama decoder layer without input_layernorm (official EAGLE-1: layer 0 reads the fc output as is)."""
+
+    def __init__(self, c: Eagle1Config):
+        super().__init__()
+        self.self_attn = Eagle1Attention(c)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mlp = LlamaMLP(c.llama_config())
+
+    def forward(self, x, cos, sin, past, mask):
+        """x (B, T, h); past = (keys, values) (B, Hkv, S, D) or None; mask over the S + T keys.
+        -> (output (B, T, h) = predicted features, new (keys, values) (B, Hkv, T, D))."""
+        q, k, v = self.self_attn.project(x, cos, sin)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        x = x + self.self_attn.attend(q, keys, values, mask)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, (k, v)
+
+
+@dataclass
+class Eagle1Output:
+    loss: Tensor  # () feature_weight * feature_losses[0] + token_weight * token_losses[0]
+    feature_losses: Tensor  # (K,) SmoothL1 of chain step i: mean over h, averaged over its counted positions
+    token_losses: Tensor  # (K,) soft CE vs the target's distribution, averaged over counted positions
+    step_accuracies: Tensor  # (K,) top-1 of the drafter == target argmax, over counted positions
+    step_counts: Tensor  # (K,) counted (supervised) positions of each step
+    step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, V)
+
+    @property
+    def step_losses(self) -> Tensor:  # (2,) what metrics.jsonl logs as step_loss: [feature, token] of step 0
+        return torch.stack([self.feature_losses[0], self.token_losses[0]])
+
+
+def feature_loss(predicted: Tensor, target: Tensor) -> Tensor:
+    """predicted, target (M, h) at the counted positions -> () sum_m mean_d SmoothL1_beta=1 / max(M, 1)
+    (as the official trainer: SmoothL1 averaged over the hidden dims, then over counted positions)."""
+    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)  # (M,)
+    return per_position.sum() / max(per_position.numel(), 1)
+
+
+class Eagle1Drafter(nn.Module):
+    """Verbs as EAGLE-3's: embed ids (the caller's frozen `embed`), project (fc over [embed; feature]),
+    backbone (`layers.0`), compute logits (the attached frozen target head)."""
+
+    def __init__(self, config: Eagle1Config, head: FrozenHead | None = None):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.layers = nn.ModuleList([Eagle1DecoderLayer(c)])
+        self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())  # buffers not saved
+        self.head = head  # a plain attribute: not a submodule, so not in parameters() or state_dict()
+
+    def attach_head(self, head: FrozenHead) -> "Eagle1Drafter":
+        self.head = head
+        return self
+
+    @property
+    def lm_head(self) -> nn.Module:  # the target's, attached (EagleProposer reads its device)
+        self._require_head()
+        return self.head.lm_head
+
+    @property
+    def draft_vocab(self) -> DraftVocab:  # no reduced vocabulary: draft id == target id
+        return DraftVocab.from_used(torch.arange(self.config.vocab_size), self.config.vocab_size)
+
+    @staticmethod
+    def embed_ids(embed, input_ids: Tensor) -> Tensor:
+        with torch.no_grad():  # the target's embedding stays frozen
+            return embed(input_ids)  # (B, T) -> (B, T, h)
+
+    def project(self, features: Tensor, input_ids: Tensor, embed) -> Tensor:
+        # official order cat(embed, feature): fc.weight[:, :h] reads the token, fc.weight[:, h:] the feature
+        return self.fc(torch.cat([self.embed_ids(embed, input_ids), features.to(self.fc.weight.dtype)], -1))
+
+    def backbone(self, x, positions, past, mask):
+        cos, sin = self.rotary_emb(x, positions)  # positions (B or 1, T)
+        return self.layers[0](x, cos, sin, past, mask)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        self._require_head()
+        return self.head(hidden)  # (..., h) -> (..., V)
+
+    def _require_head(self) -> None:
+        if self.head is None:
+            raise RuntimeError("Eagle1Drafter has no target head: call attach_head(FrozenHead.from_target(target, "
+                               "config.feature)) before computing logits")
+
+    # ---- training and held-out evaluation -------------------------------------------------------
+
+    def forward_chain(self, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 1,
+                      feature_weight: float = 1.0, token_weight: float = 0.1, noise: Tensor | None = None,
+                      return_logits: bool = False) -> Eagle1Output:
+        """Inputs aligned with the sequence the target read (right-padded, nothing pre-shifted):
+        features (B, T, h) the target's feature at t, input_ids (B, T), target_logits (B, T, V),
+        loss_mask (B, T) with loss_mask[s] = 1 iff token s is learnt.
+        Step 0 is EAGLE-1 training: position t reads (feature_t + noise_t, token_{t+1}) and is
+        scored against the target's row t+1 (feature_{t+1}; its logits predict token_{t+2}) where token
+        t+2 is supervised (loss_mask[t+2]). Steps i > 0 (held-out evaluation) are the self-fed chain the
+        decoder drafts: position t reads its own step i-1 output as the feature and token_{t+1+i}, RoPE
+        position t+i, and is scored against row t+1+i where loss_mask[t+2+i]; it attends to step-0 keys
+        <= t and to its own earlier steps only (eagle3.ttt_attention_mask: what a KV cache sees).
+        The loss is that of step 0 only (the paper's objective)."""
+        seq_len = input_ids.shape[1]
+        positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
+        hidden = features if noise is None else features + noise  # noise (B, T, h): augmentation, training only
+        keys, values, metrics, step_logits = [], [], [], []
+        for step in range(min(steps, seq_len - 1)):  # step i has labels at t = 0 .. T-2-i
+            x = self.project(hidden, ttt_input_ids(input_ids, step), embed)  # (B, T, h), token_{t+1+i}
+            past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+            mask = ttt_attention_mask(seq_len, step, input_ids.device)  # (T, (i+1)T)
+            hidden, (k, v) = self.backbone(x, positions + step, past, mask)  # (B, T, h) predicted features
+            keys.append(k)
+            values.append(v)
+            counted = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i): t -> loss_mask[t+2+i]
+            num_rows = counted.shape[1]
+            predicted = hidden[:, :num_rows][counted]  # (M, h)
+            target_feature = shift_left(features, 1 + step)[:, :num_rows][counted]  # (M, h) feature t+1+i
+            target_rows = target_logits[:, 1 + step:][counted]  # (M, V) the target's row t+1+i
+            if return_logits:
+                logits = self.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, V)
+                step_logits.append(logits)
+                counted_logits = logits[counted]
+            else:
+                counted_logits = self.compute_logits(predicted)  # (M, V): only counted rows hit the head
+            with torch.no_grad():
+                target_p = torch.softmax(target_rows.float(), dim=-1)  # (M, V)
+            everywhere = torch.ones(target_p.shape[0], dtype=torch.bool, device=target_p.device)  # (M,)
+            token_loss, accuracy, count = soft_cross_entropy(
+                counted_logits, target_p, everywhere, target_rows.argmax(-1), everywhere)
+            metrics.append((feature_loss(predicted, target_feature), token_loss, accuracy, count))
+        while len(metrics) < steps:  # rows too short for the later steps: nothing counted
+            zero = features.new_zeros((), dtype=torch.float32)
+            metrics.append((zero, zero, zero, zero.long()))
+        feature_losses, token_losses, accuracies, counts = (torch.stack(m) for m in zip(*metrics))
+        return Eagle1Output(loss=feature_weight * feature_losses[0] + token_weight * token_losses[0],
+                            feature_losses=feature_losses, token_losses=token_losses,
+                            step_accuracies=accuracies, step_counts=counts, step_logits=step_logits)
+
+    # ---- inference: one step at a time with a real KV cache (drafters.proposers.eagle) -------------
+
+    def prefill(self, features, input_ids, embed, cache: Eagle3Cache, positions=None):
+        """Append pairs (feature_t, token_{t+1}): features (B, T, h) at cache slots S..S+T-1
+        (S = len(cache)), input_ids (B, T) with input_ids[:, t] = the token following feature t. Causal.
+        -> (predicted features (B, T, h), logits (B, T, V)); row t, at position S+t, drafts token S+t+2."""
+        return self._extend(features, input_ids, embed, cache, positions, mask=None)
+
+    def step(self, hidden, input_ids, embed, cache: Eagle3Cache, positions=None, mask=None):
+        """Draft on own outputs: hidden (B, q, h) = each node's parent's predicted feature, used as the
+        feature input (differs from EAGLE-3, whose step skips fc); input_ids (B, q) the nodes' tokens;
+        positions (B, q) = parent's + 1; mask (B, 1, q, S+q) bool over [cache; new] (default causal)."""
+        return self._extend(hidden, input_ids, embed, cache, positions, mask)
+
+    def _extend(self, features, input_ids, embed, cache, positions, mask):
+        past_len, new_len = len(cache), input_ids.shape[1]
+        if positions is None:
+            positions = torch.arange(past_len, past_len + new_len, device=input_ids.device)[None]
+        if mask is None:  # query j sees slots <= past_len + j
+            mask = torch.ones(new_len, past_len + new_len, dtype=torch.bool, device=input_ids.device).tril(past_len)
+        hidden, (k, v) = self.backbone(self.project(features, input_ids, embed), positions, cache.past(), mask)
+        cache.append(k, v)
+        return hidden, self.compute_logits(hidden)

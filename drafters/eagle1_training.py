@@ -1,0 +1,140 @@
+"""EAGLE-1 pieces of train/eagle.py (drafter: eagle1): its recipe sections, the objective accelerate
+prepares, the target inputs of a batch (online, or from offline features), the held-out evaluation.
+The loop, logging and checkpointing are train/eagle.py's and drafters.training's, shared with EAGLE-3.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, Eagle1Output, FrozenHead
+
+
+@dataclass
+class Eagle1Options:
+    feature: Literal["pre_norm", "normed"] = "pre_norm"  # drafters.eagle1; an engine export needs normed
+    feature_weight: float = 1.0  # SmoothL1(predicted feature_{t+1}, target feature_{t+1})
+    token_weight: float = 0.1  # soft CE(target distribution at t+1, head(predicted feature))
+    noise: float = 0.1  # half-width a of U(-a, a) added to the input features, training only (paper: 0.1)
+    eval_steps: int = 5  # length K of the self-fed chain of the held-out evaluation
+
+
+@dataclass
+class Features:  # offline target features (drafters.features; written by train/features.py)
+    dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # storage dtype (train/features.py)
+    shard_rows: int = 512  # examples per safetensors shard (train/features.py)
+
+
+def check_eagle1(recipe) -> list[str]:
+    """Problems with the EAGLE-1 / offline-features fields of a train/eagle.py recipe."""
+    o, problems = recipe.eagle1, []
+    if recipe.features.dir and recipe.drafter != "eagle1":
+        problems.append(f"features.dir={recipe.features.dir}: offline features are implemented for drafter=eagle1 "
+                        f"only; unset it to train {recipe.drafter} online")
+    if recipe.features.shard_rows < 1:
+        problems.append(f"features.shard_rows={recipe.features.shard_rows} must be >= 1")
+    if recipe.drafter != "eagle1":
+        return problems
+    if o.feature not in FEATURES:
+        problems.append(f"eagle1.feature={o.feature!r} must be one of {', '.join(FEATURES)}")
+    if o.feature_weight < 0 or o.token_weight < 0 or o.feature_weight + o.token_weight == 0:
+        problems.append(f"eagle1.feature_weight={o.feature_weight}, token_weight={o.token_weight} must be >= 0, "
+                        "not both 0")
+    if o.noise < 0:
+        problems.append(f"eagle1.noise={o.noise} must be >= 0 (0 = no noise)")
+    if o.eval_steps < 1:
+        problems.append(f"eagle1.eval_steps={o.eval_steps} must be >= 1")
+    if recipe.layers is not None:
+        problems.append(f"layers={recipe.layers}: EAGLE-1 reads the last hidden state only; set layers: null")
+    return problems
+
+
+def build_eagle1_drafter(recipe, target) -> Eagle1Drafter:
+    config = Eagle1Config.from_target_config(target.config, recipe.eagle1.feature)
+    drafter = Eagle1Drafter(config).to(target.device)  # float32 master weights (mixed_precision autocasts)
+    return drafter.attach_head(FrozenHead.from_target(target, config.feature))
+
+
+class Eagle1Objective(nn.Module):
+    """What accelerate prepares: step 0 of `drafter.forward_chain` (the EAGLE-1 loss) on one batch, with
+    U(-a, a) noise on the input features while training (a = eagle1.noise). Same call signature as
+    Eagle3Objective. The noise has its own generator (seeded by the recipe's seed) whose state is a buffer
+    of this module, so accelerate's save_state / load_state carry it: a resumed run draws the noise an
+    uninterrupted run would. It is drawn on the CPU (one generator state whatever the device)."""
+
+    def __init__(self, drafter: Eagle1Drafter, options: Eagle1Options, seed: int = 0):
+        super().__init__()
+        self.drafter, self.options = drafter, options
+        self.register_buffer("noise_generator", torch.Generator().manual_seed(seed).get_state())  # (5056,) uint8
+
+    def forward(self, features, input_ids, target_logits, loss_mask, embed) -> Eagle1Output:
+        o = self.options
+        noise = self.draw_noise(features) if self.training and o.noise else None
+        return self.drafter.forward_chain(features, input_ids, target_logits, loss_mask, embed, steps=1,
+                                          feature_weight=o.feature_weight, token_weight=o.token_weight, noise=noise)
+
+    def draw_noise(self, features: Tensor) -> Tensor:
+        generator = torch.Generator()
+        generator.set_state(self.noise_generator.cpu())
+        uniform = torch.rand(features.shape, generator=generator)  # U(0, 1) (B, T, h)
+        self.noise_generator.copy_(generator.get_state())
+        return ((uniform * 2 - 1) * self.options.noise).to(features.device, features.dtype)  # U(-a, a)
+
+
+def eagle1_inputs_fn(recipe, target, drafter: Eagle1Drafter) -> Callable[[dict], tuple[Tensor, Tensor]]:
+    """-> batch -> (features (B, T, h) in the drafter's dtype, target logits (B, T, V)); no grad.
+    Online: one target forward. Offline: the batch's stored features; logits = the frozen head on them
+    (drafters.features: exact up to the storage dtype)."""
+    feature, dtype = drafter.config.feature, drafter.fc.weight.dtype
+
+    @torch.no_grad()
+    def offline(batch: dict):
+        features = batch["features"]  # (B, T, h) storage dtype, zero on padding
+        return features.to(dtype), drafter.head(features)
+
+    @torch.no_grad()
+    def online(batch: dict):
+        out = target.features(batch["input_ids"], batch["attention_mask"], pre_norm_last=feature == "pre_norm",
+                              logits=True)
+        features = out.pre_norm_last if feature == "pre_norm" else out.last_hidden
+        return features.to(dtype), out.logits
+
+    return offline if recipe.features.dir else online
+
+
+def chain_tau(accuracy: list[float]) -> float:
+    # tau_pred = 1 + sum_{k=1..K} prod_{j<=k} acc_j (train/eagle.py `evaluate`, EAGLE-3's formula)
+    return 1 + sum(math.prod(accuracy[:k + 1]) for k in range(len(accuracy)))
+
+
+@torch.no_grad()
+def evaluate_eagle1(drafter: Eagle1Drafter, inputs, embed, batches: list[dict], recipe, accelerator) -> dict:
+    """Per chain step k (k = 1 .. K = eagle1.eval_steps; step k drafts the k-th token of a chain):
+        acc_k    = top-1 of head(predicted feature) == target argmax, over supervised positions
+        tau_pred = 1 + sum_{k=1..K} prod_{j<=k} acc_j
+    Step k > 1 feeds the drafter its own predicted feature of step k-1 and the TRUE token (teacher-forced),
+    as drafting does along an accepted chain, so acc_k estimates P(draft k accepted | drafts 1..k-1
+    accepted) and tau_pred the mean accepted length of a greedy chain of K drafts (bonus included).
+    loss / feature_loss / token_loss: the training loss of step 1, no noise, averaged over batches."""
+    drafter.eval()
+    o, steps = recipe.eagle1, recipe.eagle1.eval_steps
+    correct, counted = (torch.zeros(steps, device=accelerator.device) for _ in range(2))
+    sums = torch.zeros(3, device=accelerator.device)  # loss, feature loss, token loss of step 1
+    for batch in batches:
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        features, target_logits = inputs(batch)
+        with accelerator.autocast():
+            out = drafter.forward_chain(features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
+                                        steps=steps, feature_weight=o.feature_weight, token_weight=o.token_weight)
+        correct += out.step_accuracies * out.step_counts
+        counted += out.step_counts
+        sums += torch.stack([out.loss, out.feature_losses[0], out.token_losses[0]])
+    accuracy = (correct / counted.clamp(min=1)).tolist()
+    loss, feature_loss, token_loss = (sums / max(len(batches), 1)).tolist()
+    return {"loss": loss, "feature_loss": feature_loss, "token_loss": token_loss, "step_acc": accuracy,
+            "supervised": int(counted[0]), "tau_pred": chain_tau(accuracy)}

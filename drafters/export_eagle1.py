@@ -1,0 +1,286 @@
+"""Export an EAGLE-1 drafter in the official EAGLE layout, and read such an export back independently.
+
+    python eval/export.py outputs/eagle1_smollm2/checkpoint-final --format eagle1 --out exports/eagle1
+
+    config.json        the ONE decoder layer as LlamaConfig fields: architectures ["LlamaForCausalLM"],
+                       model_type llama, num_hidden_layers 1, hidden_size, intermediate_size,
+                       num_attention_heads, num_key_value_heads, head_dim, hidden_act, rms_norm_eps,
+                       rope_theta, rope_scaling, vocab_size and max_position_embeddings (the target's),
+                       bias true (fc has one), attention_bias / mlp_bias false, tie_word_embeddings false,
+                       torch_dtype
+    model.safetensors  fc.weight (h, 2h), fc.bias (h,), layers.0.self_attn.{q,k,v,o}_proj.weight,
+                       layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight;
+                       no input_layernorm (the official layer 0 has none), no embedding, no LM head
+
+That is the SafeAILab/EAGLE EAGLE-1 model (eagle/model/cnets1.py: fc over cat(embed, hidden), layer 0
+without input_layernorm, output = the predicted feature, no final norm) and what SGLang's llama_eagle.py
+loads, the target's embedding and LM head shared (SGLang wants architectures ["LlamaForCausalLMEagle"]:
+edit that one field for it). Both feed the drafter the target's final-NORMED last hidden state and put
+the LM head straight on its output, so only drafters trained with eagle1.feature=normed export: a
+pre_norm drafter would load there and draft from the wrong feature with collapsed acceptance.
+
+The writer stages into a temporary sibling directory, has the reader below (which derives every name
+and shape from config.json alone, sharing nothing with the writer) reload and check every field, name,
+shape and dtype, rebuilds an Eagle1Drafter from the files and compares its predicted features and
+logits with the source checkpoint's, and only then renames the directory into place.
+"""
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.eagle3 import Eagle3Cache
+from drafters.export import DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, _move_into_place, _parent
+from drafters.export_check import CheckReport, ExportCheckError
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+# ---- writer ---------------------------------------------------------------------------------------
+
+
+def export_eagle1(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", overwrite: bool = False) -> ExportResult:
+    """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose another --out")
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    expected, c = preflight(ckpt, target)
+    files = official_config(c, dtype)
+    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous().clone() for k, v in ckpt.state_dict.items()}
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
+    try:
+        payload = staging / "export"
+        payload.mkdir()
+        save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})  # names are already official
+        (payload / CONFIG_FILE).write_text(json.dumps(files, indent=2) + "\n")
+        report = check_eagle1_export(payload, target=expected, reference=ckpt)
+        _move_into_place(payload, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    report.path = out_dir
+    return ExportResult(path=out_dir, fmt="eagle1", dtype=dtype, config=files, check=report,
+                        files=sorted(p.name for p in out_dir.iterdir()))
+
+
+def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
+    """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
+    if ckpt.family != "eagle1":
+        raise ExportError(f"export of a {ckpt.family} checkpoint to eagle1 (the official EAGLE-1 layout) is not "
+                          f"supported; use --format native (or the {ckpt.family} family's own format)")
+    if target is not None:
+        try:
+            check_target(ckpt, target)
+        except CheckpointError as err:
+            raise ExportError(str(err)) from None
+    expected = target_info(target) if target is not None else dict(ckpt.target)
+    try:
+        c = Eagle1Config(**ckpt.config)
+    except TypeError as err:
+        raise ExportError(f"{ckpt.path}: config is not an Eagle1Config ({err})") from None
+    problems = [f"{key}: drafter config {getattr(c, key)} != target {expected.get(key)} ({expected.get('name')!r})"
+                for key in ("hidden_size", "vocab_size", "max_position_embeddings")
+                if getattr(c, key) != expected.get(key)]
+    if c.feature != "normed":
+        problems.append(f"feature {c.feature!r}: the official EAGLE code and SGLang feed the drafter the target's "
+                        "final-normed hidden state and apply the LM head directly; retrain with eagle1.feature=normed "
+                        "to export, or export --format native")
+    try:
+        Eagle1Drafter(c).load_state_dict(ckpt.state_dict, strict=True)
+    except RuntimeError as err:
+        problems.append(f"the state dict does not fit its config: {err}")
+    if problems:
+        raise ExportError(f"refusing to export {ckpt.path} to eagle1: an engine would load it and lose acceptance "
+                          "silently:\n  - " + "\n  - ".join(problems))
+    return expected, c
+
+
+def official_config(c: Eagle1Config, dtype: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "vocab_size": c.vocab_size,  # the target's (shared embedding and LM head)
+        "max_position_embeddings": c.max_position_embeddings,  # the target's
+        "bias": True,  # fc has a bias (official EAGLE-1 `Model(config, bias=True)`)
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+    }
+
+
+# ---- independent reader ----------------------------------------------------------------------------
+
+
+def read_eagle1_export(path, *, target: dict | None = None) -> tuple[Eagle1Config, dict, torch.dtype]:
+    """Reads and validates an official-layout EAGLE-1 export -> (Eagle1Config with feature "normed", the
+    official layout's meaning; state dict in Eagle1Drafter names; float dtype)."""
+    path = Path(path)
+    config = _read_json(path / CONFIG_FILE)
+    where = str(path / CONFIG_FILE)
+    _field(config, "architectures", list, where, equals=["LlamaForCausalLM"])
+    _field(config, "model_type", str, where, equals="llama")
+    _field(config, "num_hidden_layers", int, where, equals=1)
+    _field(config, "bias", bool, where, equals=True)
+    _field(config, "tie_word_embeddings", bool, where, equals=False)
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag, False) is not False:
+            raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter's layer has no biases")
+    g = {key: _field(config, key, int, where) for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+        "max_position_embeddings")}
+    c = Eagle1Config(**g, rms_norm_eps=_field(config, "rms_norm_eps", float, where),
+                     rope_theta=float(_field(config, "rope_theta", (int, float), where)),
+                     rope_scaling=_field(config, "rope_scaling", (dict, type(None)), where),
+                     hidden_act=_field(config, "hidden_act", str, where), feature="normed")
+    config_dtype = _field(config, "torch_dtype", str, where)
+    if target is not None:
+        for key in ("hidden_size", "vocab_size", "max_position_embeddings"):
+            if g[key] != target.get(key):
+                raise ExportCheckError(f"{where}: {key} = {g[key]} but the target has {target.get(key)}; the "
+                                       "drafter would run with lost acceptance")
+    tensors = _read_tensors(path / WEIGHTS_FILE)
+    return c, tensors, _check_tensors(tensors, g, config_dtype, path / WEIGHTS_FILE)
+
+
+def expected_shapes(g: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the official EAGLE-1 layout, shaped from config.json alone."""
+    h, d, heads, kv, inter = (g["hidden_size"], g["head_dim"], g["num_attention_heads"], g["num_key_value_heads"],
+                              g["intermediate_size"])
+    return {
+        "fc.weight": (h, 2 * h),  # cat(embed, feature) (2h) -> h
+        "fc.bias": (h,),
+        "layers.0.self_attn.q_proj.weight": (heads * d, h),
+        "layers.0.self_attn.k_proj.weight": (kv * d, h),
+        "layers.0.self_attn.v_proj.weight": (kv * d, h),
+        "layers.0.self_attn.o_proj.weight": (h, heads * d),
+        "layers.0.mlp.gate_proj.weight": (inter, h),
+        "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+        "layers.0.post_attention_layernorm.weight": (h,),
+    }
+
+
+def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoint | None = None,
+                        seed: int = 0) -> CheckReport:
+    """Validates the files; with `reference`, a drafter rebuilt from them must give the source's
+    predicted features and logits (weights rounded to the export dtype) within 1e-5."""
+    path = Path(path)
+    c, state, dtype = read_eagle1_export(path, target=target)
+    rebuilt = _drafter(c, state, path)
+    diffs = (None, None)
+    if reference is not None:
+        source_config = Eagle1Config(**reference.config)
+        if asdict(source_config) != asdict(c):
+            wrong = {k: (v, getattr(c, k)) for k, v in asdict(source_config).items() if getattr(c, k) != v}
+            raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
+        rounded = {k: v.to(dtype) for k, v in reference.state_dict.items()}
+        got = _outputs(rebuilt, c, seed)
+        want = _outputs(_drafter(c, rounded, path), c, seed)
+        source = _outputs(_drafter(c, reference.state_dict, path), c, seed)
+        diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+        if diff > 1e-5:
+            raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives outputs up to {diff:.3g} away "
+                                   "from the source checkpoint's (atol 1e-5)")
+        diffs = (diff, max((a - b).abs().max().item() for a, b in zip(got, source)))
+    return CheckReport(path, "eagle1", "eagle1", None, None, str(dtype), len(state), *diffs)
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise ExportCheckError(f"{file} is missing")
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ExportCheckError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ExportCheckError(f"{file}: want a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _field(config: dict, key: str, kind, where: str, *, equals=None):
+    if key not in config:
+        raise ExportCheckError(f"{where}: required field {key!r} is missing")
+    value, kinds = config[key], kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        raise ExportCheckError(f"{where}: field {key!r} = {value!r} has the wrong type")
+    if equals is not None and value != equals:
+        raise ExportCheckError(f"{where}: field {key!r} = {value!r}, the format requires {equals!r}")
+    return value
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise ExportCheckError(f"{file} is missing")
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def _check_tensors(tensors: dict, g: dict, config_dtype: str, where: Path) -> torch.dtype:
+    shapes = expected_shapes(g)
+    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise ExportCheckError(f"{where}: tensor names do not match the official EAGLE-1 layout: missing {missing}, "
+                               f"unexpected {unexpected}")
+    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
+    if wrong:
+        raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
+    floats, wanted = {v.dtype for v in tensors.values()}, {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if len(floats) != 1 or not floats <= set(wanted.values()):
+        raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16, got {sorted(map(str, floats))}")
+    dtype = floats.pop()
+    if wanted.get(config_dtype) != dtype:
+        raise ExportCheckError(f"{where}: config.json says torch_dtype {config_dtype!r} but the weights are {dtype}")
+    return dtype
+
+
+def _drafter(c: Eagle1Config, state: dict, where: Path) -> Eagle1Drafter:
+    drafter = Eagle1Drafter(c)
+    try:
+        drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    except RuntimeError as err:
+        raise ExportCheckError(f"{where}: the tensors do not load into an Eagle1Drafter: {err}") from None
+    return drafter.eval()
+
+
+@torch.no_grad()
+def _outputs(drafter: Eagle1Drafter, c: Eagle1Config, seed: int, seq_len: int = 6) -> list[torch.Tensor]:
+    """Prefill on random features + token ids, then one step on the drafter's own predicted feature, with a
+    random embedding and LM head standing in for the target's -> [features, logits, step feature, logits]."""
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    embed.weight.copy_(torch.randn(c.vocab_size, c.hidden_size, generator=gen))
+    lm_head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+    lm_head.weight.copy_(torch.randn(c.vocab_size, c.hidden_size, generator=gen))
+    drafter.attach_head(FrozenHead(lm_head, None))  # normed: the LM head straight on the output
+    features = torch.randn(1, seq_len, c.hidden_size, generator=gen)  # (1, T, h)
+    ids = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=gen)
+    cache = Eagle3Cache()
+    hidden, logits = drafter.prefill(features, ids[:, :seq_len], embed, cache)
+    step_hidden, step_logits = drafter.step(hidden[:, -1:], ids[:, seq_len:], embed, cache)
+    return [hidden, logits, step_hidden, step_logits]

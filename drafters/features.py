@@ -1,0 +1,338 @@
+"""Offline target features: run the frozen target once over a recipe's examples, keep what a drafter
+family trains on in safetensors shards, and stream them back during training.
+
+    python train/features.py recipes/eagle1_tiny.yaml features.dir=outputs/features/eagle1_tiny
+    python train/eagle.py recipes/eagle1_tiny.yaml features.dir=outputs/features/eagle1_tiny
+
+A features directory holds
+    index.json                header (format, family, layer spec, storage dtype, target info + dtype,
+                              data fingerprint) + the finished shards, row / token counts, bytes
+    shard-00000.safetensors   examples [k * shard_rows, (k+1) * shard_rows) of ALL usable examples, in
+                              data order (the train / held-out split happens at training time):
+        features   (N, h)  storage dtype   the feature the family reads (EAGLE-1: the last hidden state,
+                                           pre-norm or normed as eagle1.feature says)
+        input_ids  (N,)    int32           loss_mask (N,) bool
+        offsets    (R+1,)  int64           example r = tokens offsets[r]:offsets[r+1] of the shard
+        rows       (R,)    int64           the example's row in the data file (how training finds it)
+No logits are stored (V x 2 bytes per token, 98 kB for SmolLM2 against 1.2 kB of bf16 feature): EAGLE-1's
+soft-CE target, the target's distribution at t+1, is recomputed from the stored feature_{t+1} through the
+frozen head (final norm if pre-norm, LM head), which is what the target itself computes: exact up to the
+storage dtype (float32 storage gives the online logits up to float rounding).
+
+Writing is resumable: each shard goes to a temporary file renamed into place, index.json (rewritten
+atomically after each shard) lists the finished ones, and a rerun skips them. Reading refuses features
+written for other data (sha256 of the data file's bytes + the data fields that shape the rows), another
+target, storage layout or family, and checks every example's tokens and loss mask against the stored ones.
+Knows nothing about drafters or training loops; `header` comes from the caller (train/features.py).
+"""
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from drafters.checkpoint import target_info
+from drafters.data import Example, collate
+from drafters.recipe import RecipeError
+from drafters.training import LengthBuckets, num_tokens
+
+FORMAT = "drafters-features/1"
+INDEX = "index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; eval_* / seed only split them
+TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
+                 "dtype")
+LAYER_SPECS = {  # eagle1.feature -> what `features` holds, in words (HF hidden_states indices, DESIGN.md)
+    "pre_norm": "output of the last decoder layer before the final norm (input of the final norm)",
+    "normed": "hidden_states[L]: the final-normed last hidden state",
+}
+
+
+class FeatureStoreError(RecipeError):
+    pass
+
+
+# ---- the header: what the features were computed from -------------------------------------------
+
+
+def features_header(recipe, target) -> dict:
+    """What the stored tensors depend on, from a train/eagle.py recipe and the loaded target."""
+    if recipe.drafter != "eagle1":
+        raise FeatureStoreError(f"offline features (features.dir) are implemented for drafter=eagle1 only, not "
+                                f"{recipe.drafter}; unset features.dir to train {recipe.drafter} online")
+    data = asdict(recipe.data)
+    return {
+        "format": FORMAT,
+        "family": recipe.drafter,
+        "layer_spec": {"features": recipe.eagle1.feature, "what": LAYER_SPECS[recipe.eagle1.feature]},
+        "dtype": recipe.features.dtype,
+        "shard_rows": recipe.features.shard_rows,
+        "target": {**target_info(target), "dtype": str(target.dtype).removeprefix("torch.")},
+        "data": {"sha256": data_sha256(recipe.data.path), **{k: data[k] for k in DATA_FIELDS},
+                 "recipe_section": data},
+    }
+
+
+def data_sha256(path: str) -> str | None:
+    """sha256 of the data file's bytes (a folder: of every file's relative path and bytes, sorted);
+    None for a Hub dataset name (no local bytes: the per-example token check still runs)."""
+    root = Path(path)
+    if not root.exists():
+        return None
+    digest = hashlib.sha256()
+    for file in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+        if file != root:
+            digest.update(str(file.relative_to(root)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def header_mismatch(stored: dict, current: dict) -> tuple[str, object, object] | None:
+    """-> (field, stored value, current value) of the first difference that changes the stored tensors."""
+    checks = [("family", stored.get("family"), current["family"]),
+              ("layer_spec.features", stored.get("layer_spec", {}).get("features"),
+               current["layer_spec"]["features"])]
+    checks += [(f"target.{k}", stored.get("target", {}).get(k), current["target"][k]) for k in TARGET_FIELDS]
+    checks += [(f"data.{k}", stored.get("data", {}).get(k), current["data"][k]) for k in ("sha256", *DATA_FIELDS)]
+    return next(((name, a, b) for name, a, b in checks if a != b), None)
+
+
+# ---- writing -----------------------------------------------------------------------------------------
+
+
+def write_features(directory, target, examples: list[Example], header: dict, *, batch_size: int = 8,
+                   say=print) -> dict:
+    """Runs the target over `examples` (all usable examples, data order) and writes the missing shards.
+    -> the final index (also in directory/index.json)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    header = {**header, "rows": len(examples), "tokens": sum(map(num_tokens, examples))}
+    index = _resumable_index(directory, header)
+    dtype, per_shard = DTYPES[header["dtype"]], header["shard_rows"]
+    feature = header["layer_spec"]["features"]
+    num_shards = math.ceil(len(examples) / per_shard)
+    start = time.perf_counter()
+    for k in range(num_shards):
+        name = f"shard-{k:05d}.safetensors"
+        done = index["shards"].get(name)
+        if done is not None and (directory / name).is_file() and (directory / name).stat().st_size == done["bytes"]:
+            say(f"features: {name} already complete, skipped")
+            continue
+        rows = examples[k * per_shard:(k + 1) * per_shard]
+        tensors = shard_tensors(target, rows, feature, dtype, batch_size)
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        save_file(tensors, tmp, metadata={"format": FORMAT})
+        os.replace(tmp, directory / name)  # atomic: a shard file is complete or absent
+        index["shards"][name] = {"first_row": k * per_shard, "rows": len(rows), "tokens": tensors["input_ids"].numel(),
+                                 "bytes": (directory / name).stat().st_size}
+        _write_index(directory, index)
+        say(f"features: {name} written ({len(rows)} examples, {index['shards'][name]['tokens']} tokens, "
+            f"{time.perf_counter() - start:.1f}s so far)")
+    index["complete"] = True
+    index["bytes"] = sum(s["bytes"] for s in index["shards"].values())
+    index["bytes_per_token"] = index["bytes"] / max(index["tokens"], 1)
+    _write_index(directory, index)
+    say(storage_report(index))
+    return index
+
+
+def shard_tensors(target, rows: list[Example], feature: str, dtype: torch.dtype, batch_size: int) -> dict:
+    """The target's features at every token of `rows` (one target forward per length-sorted batch)."""
+    per_row: list[Tensor | None] = [None] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: num_tokens(rows[i]))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batch = {k: v.to(target.device) for k, v in collate([rows[i] for i in chunk], 0).items()}
+        out = target.features(batch["input_ids"], batch["attention_mask"], pre_norm_last=feature == "pre_norm",
+                              logits=False)
+        values = out.pre_norm_last if feature == "pre_norm" else out.last_hidden  # (B, T, h)
+        for b, i in enumerate(chunk):
+            per_row[i] = values[b, :num_tokens(rows[i])].to("cpu", dtype)  # (T_i, h), padding dropped
+    lengths = torch.tensor([num_tokens(e) for e in rows])
+    return {
+        "features": torch.cat(per_row).contiguous(),  # (N, h)
+        "input_ids": torch.tensor([t for e in rows for t in e.input_ids], dtype=torch.int32),  # (N,)
+        "loss_mask": torch.tensor([m for e in rows for m in e.loss_mask], dtype=torch.bool),  # (N,)
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # (R+1,)
+        "rows": torch.tensor([e.row for e in rows], dtype=torch.long),  # (R,)
+    }
+
+
+def _resumable_index(directory: Path, header: dict) -> dict:
+    index = _read_index(directory)
+    if index is None:
+        return {**header, "complete": False, "shards": {}}
+    differs = [k for k in ("format", "dtype", "shard_rows", "rows", "tokens") if index.get(k) != header[k]]
+    mismatch = header_mismatch(index, header)
+    if differs or mismatch:
+        name, old, new = mismatch or (differs[0], index.get(differs[0]), header[differs[0]])
+        raise FeatureStoreError(f"{directory / INDEX}: these features were written by another recipe ({name}: "
+                                f"{old!r} there, {new!r} now); delete {directory} or choose another features.dir")
+    return {**index, **header, "complete": False}
+
+
+def _read_index(directory: Path) -> dict | None:
+    path = directory / INDEX
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise FeatureStoreError(f"{path}: not valid JSON ({err}); delete {directory} and recompute the "
+                                "features") from None
+
+
+def _write_index(directory: Path, index: dict) -> None:
+    tmp = directory / f".{INDEX}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(index, indent=2) + "\n")
+    os.replace(tmp, directory / INDEX)
+
+
+def storage_report(index: dict) -> str:
+    h, itemsize = index["target"]["hidden_size"], DTYPES[index["dtype"]].itemsize
+    logits = index["target"]["vocab_size"] * 2
+    return (f"features: {index['rows']} examples, {index['tokens']} tokens in {len(index['shards'])} shards, "
+            f"{index['bytes']} bytes = {index['bytes_per_token']:.1f} bytes per token (feature {h} x {itemsize} = "
+            f"{h * itemsize}, input_ids 4, loss_mask 1, plus offsets and headers); storing the full-vocab logits "
+            f"would add {logits} bytes per token in 16 bits: they are recomputed from the features instead")
+
+
+# ---- reading -----------------------------------------------------------------------------------------
+
+
+class FeatureStore:
+    """A complete features directory, opened for training. Tokens, masks and offsets of every shard are
+    read at `locate` (5 bytes per token); features are sliced out of the memory-mapped shard per example."""
+
+    def __init__(self, directory: Path, index: dict):
+        self.directory, self.index = directory, index
+        self.shards = sorted(index["shards"].items(), key=lambda item: item[1]["first_row"])
+        self._handles: dict[str, object] = {}
+        self._where: list[tuple[str, int, int]] = []  # stored example -> (shard file, token start, end)
+
+    @classmethod
+    def open(cls, directory) -> "FeatureStore":
+        directory = Path(directory)
+        index = _read_index(directory)
+        if index is None:
+            raise FeatureStoreError(f"features.dir={directory}: no {INDEX}; write the features first with "
+                                    f"python train/features.py RECIPE features.dir={directory} (same recipe)")
+        if index.get("format") != FORMAT:
+            raise FeatureStoreError(f"{directory / INDEX}: format {index.get('format')!r}, this version reads "
+                                    f"{FORMAT!r}; recompute the features with train/features.py")
+        if not index.get("complete"):
+            raise FeatureStoreError(f"{directory / INDEX}: only {len(index.get('shards', {}))} shards are written; "
+                                    "finish them: rerun python train/features.py with the same recipe (it resumes)")
+        return cls(directory, index)
+
+    def check(self, recipe, target) -> None:
+        mismatch = header_mismatch(self.index, features_header(recipe, target))
+        if mismatch is not None:
+            name, stored, current = mismatch
+            raise FeatureStoreError(
+                f"{self.directory / INDEX}: {name} is {stored!r} in the stored features but {current!r} in this run, "
+                f"so they were computed for {_what(name)}. Recompute them: python train/features.py RECIPE "
+                f"features.dir=NEW_DIR with this run's recipe and overrides, or point features.dir at matching ones")
+
+    def summary(self) -> str:
+        i = self.index
+        return (f"features: offline from {self.directory}: {i['rows']} examples, {i['tokens']} tokens, "
+                f"{i['layer_spec']['features']} features in {i['dtype']}, {i['bytes_per_token']:.1f} bytes per token")
+
+    def locate(self, examples: list[Example]) -> list[int]:
+        """-> the stored index of each example (by its data row), after checking its tokens and loss mask."""
+        if not self._where:
+            self._load_tokens()
+        wrong = []
+        for e in examples:
+            stored = self._by_row.get(e.row)
+            if stored is None or self._ids[stored] != e.input_ids or self._masks[stored] != e.loss_mask:
+                wrong.append(e)
+        if wrong:
+            e = wrong[0]
+            raise FeatureStoreError(f"{self.directory}: {len(wrong)} examples are not stored as this run tokenizes "
+                                    f"them (first: {e.source}:{e.row}); the data, tokenizer or chat template changed "
+                                    "since train/features.py ran: recompute the features into a new features.dir")
+        return [self._by_row[e.row] for e in examples]
+
+    def _load_tokens(self) -> None:
+        self._by_row, self._ids, self._masks = {}, [], []
+        for name, _ in self.shards:
+            with safe_open(self.directory / name, framework="pt") as f:
+                ids, masks = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").int().tolist()
+                offsets, rows = f.get_tensor("offsets").tolist(), f.get_tensor("rows").tolist()
+            for r, row in enumerate(rows):
+                a, b = offsets[r], offsets[r + 1]
+                self._by_row[row] = len(self._where)
+                self._where.append((name, a, b))
+                self._ids.append(ids[a:b])
+                self._masks.append(masks[a:b])
+
+    def features(self, stored: int) -> Tensor:
+        """(T, h) in the storage dtype, for the stored example `stored` (from `locate`)."""
+        name, a, b = self._where[stored]
+        if name not in self._handles:
+            self._handles[name] = safe_open(self.directory / name, framework="pt")  # memory-mapped
+        return self._handles[name].get_slice("features")[a:b]
+
+
+def _what(field: str) -> str:
+    if field.startswith("data."):
+        return "other data (data file bytes or the data fields that shape the examples)"
+    if field.startswith("target."):
+        return "another target (or target dtype)"
+    return {"family": "another drafter family", "layer_spec.features": "another eagle1.feature"}[field]
+
+
+# ---- batches for training ------------------------------------------------------------------------------
+
+
+class OfflineRows(Dataset):
+    """examples[i] with its stored features: (Example, (T_i, h))."""
+
+    def __init__(self, examples: list[Example], store: FeatureStore):
+        self.examples, self.store, self.stored = examples, store, store.locate(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int):
+        return self.examples[i], self.store.features(self.stored[i])
+
+
+def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
+    """drafters.data.collate plus features (B, T, h), zero on padding, in the storage dtype."""
+    batch = collate([example for example, _ in items], pad_id)
+    first = items[0][1]
+    features = first.new_zeros(len(items), batch["input_ids"].shape[1], first.shape[-1])
+    for b, (_, values) in enumerate(items):
+        features[b, :values.shape[0]] = values
+    batch["features"] = features
+    return batch
+
+
+def offline_loader(recipe, store: FeatureStore, rows: list[Example], pad: int) -> DataLoader:
+    """The same batches as drafters.training.train_loader (same LengthBuckets), with stored features."""
+    sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
+    return DataLoader(OfflineRows(rows, store), batch_sampler=sampler, collate_fn=partial(collate_offline, pad_id=pad))
+
+
+def offline_batches(store: FeatureStore, batches: list[list[Example]], pad: int) -> list[dict]:
+    rows = OfflineRows([e for batch in batches for e in batch], store)
+    out, start = [], 0
+    for batch in batches:
+        out.append(collate_offline([rows[i] for i in range(start, start + len(batch))], pad))
+        start += len(batch)
+    return out

@@ -1,0 +1,149 @@
+"""Offline target features (drafters.features, train/features.py): online == offline training losses,
+what the shards hold, resuming, and clear refusals of features computed for something else."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafters.data import Example
+from drafters.features import FeatureStore, FeatureStoreError
+from drafters.recipe import RecipeError
+from drafters.targets import load_target
+from conftest import load_script  # tests/ is on sys.path under pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "eagle1_tiny.yaml")
+DATA = ROOT / "tests" / "data" / "tiny_conversations.jsonl"
+ROWS, TOKENS, HIDDEN = 20, 1427, 64  # the tiny conversations at max_length 128, tiny-random-llama
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    return load_script("train/features.py"), load_script("train/eagle.py")
+
+
+@pytest.fixture(scope="module")
+def written(scripts, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("features") / "fp32"  # float32 storage: the recipe's features.dtype
+    index = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}"])
+    return directory, index
+
+
+def metrics(output_dir):
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_online_and_offline_training_give_the_same_losses(scripts, written, tmp_path):
+    # Same recipe, same batches (same LengthBuckets), same noise draws: the only difference is where the
+    # features come from and that the soft-CE target is recomputed from the stored feature through the
+    # frozen head. float32 storage: the stored features are the online ones (a different batch padding
+    # in the target forward changes them by float rounding at most), so the losses agree to 1e-6.
+    eagle = scripts[1]
+    common = [RECIPE, f"data.path={DATA}", "max_steps=4", "eval_every=2"]
+    online = eagle.main([*common, f"output_dir={tmp_path / 'online'}"])
+    offline = eagle.main([*common, f"output_dir={tmp_path / 'offline'}", f"features.dir={written[0]}"])
+    assert offline.losses == pytest.approx(online.losses, rel=1e-6, abs=1e-9)
+    for a, b in zip(metrics(tmp_path / "online"), metrics(tmp_path / "offline")):  # feature and token loss
+        assert b["step_loss"] == pytest.approx(a["step_loss"], rel=1e-5, abs=1e-9)
+        assert b["tokens"] == a["tokens"]
+    assert offline.eval["step_acc"] == pytest.approx(online.eval["step_acc"])
+    assert offline.eval["loss"] == pytest.approx(online.eval["loss"], rel=1e-6)
+
+
+def test_shards_hold_the_targets_features_tokens_and_masks(written):
+    directory, index = written
+    assert index["complete"] and index["rows"] == ROWS and index["tokens"] == TOKENS
+    assert index["family"] == "eagle1" and index["layer_spec"]["features"] == "pre_norm"
+    assert index["target"]["name"] == "tiny-random-llama" and index["target"]["dtype"] == "float32"
+    assert len(index["data"]["sha256"]) == 64 and index["data"]["max_length"] == 128
+    assert sorted(index["shards"]) == [f"shard-0000{k}.safetensors" for k in range(3)]  # shard_rows 8
+    total = sum((directory / name).stat().st_size for name in index["shards"])
+    assert index["bytes"] == total and index["bytes_per_token"] == pytest.approx(total / TOKENS)
+    assert HIDDEN * 4 + 5 < index["bytes_per_token"] < HIDDEN * 4 + 5 + 8  # feature + id + mask + overhead
+    shard = load_file(directory / "shard-00001.safetensors")
+    assert shard["features"].shape == (shard["input_ids"].numel(), HIDDEN)
+    assert shard["rows"].tolist() == list(range(9, 17))  # data rows (1-based lines) 9..16: shard_rows 8
+    # example r of the shard == the target's pre-norm hidden states over its tokens, run alone
+    target = load_target("tiny-random-llama")
+    a, b = shard["offsets"][2:4].tolist()
+    ids = shard["input_ids"][a:b].long()[None]
+    expected = target.features(ids, pre_norm_last=True, logits=False).pre_norm_last[0]
+    torch.testing.assert_close(shard["features"][a:b], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_storage_halves_the_feature_bytes(scripts, tmp_path):
+    index = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=bfloat16",
+                             "features.shard_rows=100"])
+    assert HIDDEN * 2 + 5 < index["bytes_per_token"] < HIDDEN * 2 + 5 + 8
+    assert load_file(tmp_path / "shard-00000.safetensors")["features"].dtype == torch.bfloat16
+
+
+def test_rerun_resumes_and_rewrites_only_missing_shards(scripts, written, tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(written[0], directory)
+    before = {p.name: p.read_bytes() for p in directory.glob("shard-*")}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in directory.glob("shard-*")}
+    (directory / "shard-00001.safetensors").unlink()  # as if the run had stopped there
+    index = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}"])
+    after = {p.name: p.stat().st_mtime_ns for p in directory.glob("shard-*")}
+    assert after["shard-00000.safetensors"] == mtimes["shard-00000.safetensors"]  # skipped, not rewritten
+    assert after["shard-00002.safetensors"] == mtimes["shard-00002.safetensors"]
+    assert (directory / "shard-00001.safetensors").read_bytes() == before["shard-00001.safetensors"]
+    assert index["complete"] and index["bytes"] == written[1]["bytes"]
+    assert not list(directory.glob(".*"))  # no temporary file left
+
+
+def test_a_directory_written_by_another_recipe_is_not_resumed(scripts, written, tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(written[0], directory)
+    with pytest.raises(FeatureStoreError, match="written by another recipe.*shard_rows.*delete"):
+        scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}", "features.shard_rows=4"])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.max_length=100"], "data.max_length is 128 in the stored features but 100"),
+    (["eagle1.feature=normed"], "layer_spec.features is 'pre_norm' in the stored features but 'normed'"),
+    (["target=tiny-random-gemma3"], "target.name is 'tiny-random-llama'"),
+    (["dtype=bfloat16"], "target.dtype is 'float32'"),
+])
+def test_features_for_another_run_are_refused(scripts, written, tmp_path, overrides, field):
+    with pytest.raises(FeatureStoreError, match=f"{field}.*train/features.py"):
+        scripts[1].main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", f"features.dir={written[0]}",
+                         *overrides])
+
+
+def test_changed_data_is_refused(scripts, written, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(DATA.read_text().replace("2+2 is 4.", "2+2 is four."))
+    with pytest.raises(FeatureStoreError, match="data.sha256 is '[0-9a-f]{64}' in the stored features but"):
+        scripts[1].main([RECIPE, f"data.path={data}", f"output_dir={tmp_path}", f"features.dir={written[0]}"])
+
+
+def test_missing_incomplete_or_mismatched_stores_are_refused(scripts, written, tmp_path):
+    with pytest.raises(FeatureStoreError, match="no index.json; write the features first"):
+        FeatureStore.open(tmp_path)
+    directory = tmp_path / "partial"
+    shutil.copytree(written[0], directory)
+    index = json.loads((directory / "index.json").read_text())
+    (directory / "index.json").write_text(json.dumps({**index, "complete": False}))
+    with pytest.raises(FeatureStoreError, match="rerun python train/features.py with the same recipe"):
+        FeatureStore.open(directory)
+    store = FeatureStore.open(written[0])
+    stored = load_file(written[0] / "shard-00000.safetensors")
+    a, b = stored["offsets"][:2].tolist()
+    example = Example(stored["input_ids"][a:b].tolist(), stored["loss_mask"][a:b].int().tolist(), 1, "x.jsonl")
+    assert store.locate([example]) == [0]
+    example.input_ids[3] += 1  # tokenized differently now (another tokenizer or template)
+    with pytest.raises(FeatureStoreError, match="not stored as this run tokenizes them"):
+        store.locate([example])
+
+
+def test_features_dir_is_required_and_eagle3_is_refused(scripts, tmp_path):
+    with pytest.raises(RecipeError, match="features.dir is not set"):
+        scripts[0].main([RECIPE, f"data.path={DATA}"])
+    with pytest.raises(RecipeError, match="implemented for drafter=eagle1 only"):
+        scripts[0].main([RECIPE, f"data.path={DATA}", "drafter=eagle3", f"features.dir={tmp_path}"])

@@ -1,0 +1,62 @@
+"""Precompute a drafter family's target features once, to disk, for offline training (drafters.features).
+
+    python train/features.py recipes/eagle1_smollm2.yaml features.dir=outputs/features/smollm2 [key=value ...]
+    python train/eagle.py recipes/eagle1_smollm2.yaml features.dir=outputs/features/smollm2
+
+Reads the same recipe (and overrides) as train/eagle.py: target, dtype, data, drafter, eagle1.feature and
+the `features` section: dir (required here: where to write; training streams from it when set), dtype
+(bfloat16 | float16 | float32 storage), shard_rows; batch_size is the target's forward batch. Runs the
+target over ALL usable examples (the train / held-out split is made at training time, so eval_rows /
+eval_fraction / data.seed may change afterwards) and writes index.json + safetensors shards. Rerunning
+with the same recipe resumes: finished shards are skipped. Prints the storage in bytes per token.
+Implemented for drafter=eagle1 (EAGLE-3 trains online).
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from drafters.data import build_examples
+from drafters.features import features_header, write_features
+from drafters.recipe import RecipeError, load_recipe
+from drafters.targets import load_target
+
+
+def _train_eagle():
+    # the recipe schema and checks of train/eagle.py (train/ is not a package)
+    path = Path(__file__).with_name("eagle.py")
+    spec = importlib.util.spec_from_file_location("train_eagle", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+eagle = _train_eagle()
+Recipe = eagle.Recipe  # tests/test_recipes.py reads a script's schema as `Recipe`
+
+
+def main(argv: list[str]) -> dict:
+    if not argv:
+        raise SystemExit("usage: python train/features.py RECIPE.yaml features.dir=DIR [key=value ...]")
+    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    eagle.check(recipe)
+    if not recipe.features.dir:
+        raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
+                          "train/eagle.py streams from it when the recipe sets it)")
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    target = load_target(recipe.target, dtype=recipe.dtype)
+    if torch.accelerator.is_available():
+        target.model.to(torch.accelerator.current_accelerator())
+    header = features_header(recipe, target)  # refuses families without offline support
+    data = recipe.data
+    examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length, fmt=data.fmt,
+                                      split=data.split, limit=data.limit)
+    print(report.summary())
+    return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
