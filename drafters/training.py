@@ -49,6 +49,58 @@ class Optim:
     clip_value: float | None = None  # clip each gradient element to [-v, v] first (official EAGLE: 0.5)
 
 
+@dataclass(kw_only=True)
+class TrainRecipe:
+    """What every training script's recipe has; each script's Recipe adds its family's fields."""
+
+    target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
+    data: Data
+    optim: Optim = field(default_factory=Optim)
+    batch_size: int = 1  # per process
+    grad_accum: int = 1
+    epochs: int | None = 1
+    max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the target's weights
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
+    save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
+    keep_last: int = 0  # keep only the newest N checkpoint-<step> directories; 0 = all
+    eval_every: int = 0  # 0 = only at the end
+    resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
+    allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
+    wandb_name: str | None = None  # the wandb run name; null = wandb's
+
+
+
+def make_accelerator(recipe, script: str):
+    """The Accelerator of a training run. Without a GPU, cpu=True makes torchrun / accelerate launch
+    with several processes run gloo DDP instead of independent copies; DeepSpeed (an accelerate
+    config or ACCELERATE_USE_DEEPSPEED=true) brings its own CPU accelerator, which accelerate
+    ignores under cpu=True, so it gets cpu=False and gloo."""
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    gpu = torch.accelerator.is_available()
+    deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, kwargs_handlers=handlers,
+                              cpu=not gpu and not deepspeed_on_cpu)
+    if accelerator.state.deepspeed_plugin is not None:
+        if recipe.grad_accum != 1:  # DeepSpeed steps its engine at every backward under our own accumulation
+            raise RecipeError(f"grad_accum={recipe.grad_accum} under DeepSpeed is not supported yet: use grad_accum=1 "
+                              "and a larger batch_size or more processes for the same global batch")
+        # the loader's batches come from a batch sampler, which DeepSpeed cannot read the size of
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.batch_size
+    accelerator.print(f"{script}: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
+                      f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
+    return accelerator
+
+
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,

@@ -26,7 +26,6 @@ processes. Knows nothing about decoding trees or export formats.
 
 import json
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -34,8 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -57,15 +55,15 @@ from drafters.features import FeatureStore, offline_batches, offline_loader
 from drafters.recipe import RecipeError, load_recipe, to_dict
 from drafters.targets import Target, load_target
 from drafters.training import (
-    Data,
     MetricsLog,
-    Optim,
     Position,
+    TrainRecipe,
     check_resume,
     length_sorted_batches,
     load_examples,
     load_run_state,
     lr_factor,
+    make_accelerator,
     pad_id,
     plan_steps,
     resume_checkpoint,
@@ -76,10 +74,8 @@ from drafters.training import (
 )
 
 
-@dataclass
-class Recipe:
-    target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
-    data: Data
+@dataclass(kw_only=True)
+class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, checkpoints, logging
     drafter: Literal["eagle3", "eagle1"] = "eagle3"
     output_dir: str = "outputs/eagle3"
     draft_vocab_size: int = 32000  # capped at the target vocab
@@ -88,24 +84,6 @@ class Recipe:
     step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (drafter: eagle1)
-    optim: Optim = field(default_factory=Optim)
-    batch_size: int = 1  # per process
-    grad_accum: int = 1
-    epochs: int | None = 1
-    max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
-    seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the target's weights
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
-    save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
-    keep_last: int = 0  # keep only the newest N checkpoint-<step> directories; 0 = all
-    eval_every: int = 0  # 0 = only at the end
-    resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
-    allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
-    wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
-    wandb_name: str | None = None  # the wandb run name; null = wandb's
-
 
 @dataclass
 class Summary:
@@ -125,23 +103,8 @@ def main(argv: list[str]) -> Summary:
     check(recipe)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
-    # cpu=True on machines without an accelerator, so torchrun / accelerate launch with several
-    # processes there runs gloo DDP instead of independent copies
-    # (DeepSpeed, when an accelerate config / ACCELERATE_USE_DEEPSPEED asks for it, brings its own
-    # CPU accelerator and backend, and accelerate ignores it under cpu=True)
-    deepspeed_on_cpu = not torch.accelerator.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, kwargs_handlers=handlers,
-                              cpu=not torch.accelerator.is_available() and not deepspeed_on_cpu)
+    accelerator = make_accelerator(recipe, "eagle")
     say = accelerator.print
-    if accelerator.state.deepspeed_plugin is not None:
-        if recipe.grad_accum != 1:  # DeepSpeed steps its engine at every backward under our own accumulation
-            raise RecipeError(f"grad_accum={recipe.grad_accum} under DeepSpeed is not supported yet: use grad_accum=1 "
-                              "and a larger batch_size or more processes for the same global batch")
-        # the loader's batches come from a batch sampler, which DeepSpeed cannot read the size of
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.batch_size
-    say(f"eagle: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
-        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
 
     target = load_target(recipe.target, dtype=recipe.dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()

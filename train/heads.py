@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm import tqdm
@@ -53,15 +52,15 @@ from drafters.proposers.heads import TREE_FILE
 from drafters.recipe import RecipeError, load_recipe, to_dict
 from drafters.targets import Target, load_target
 from drafters.training import (
-    Data,
     MetricsLog,
-    Optim,
     Position,
+    TrainRecipe,
     check_resume,
     length_sorted_batches,
     load_examples,
     load_run_state,
     lr_factor,
+    make_accelerator,
     pad_id,
     plan_steps,
     resume_checkpoint,
@@ -93,10 +92,8 @@ class TreeOptions:
     cartesian: list[int] = field(default_factory=lambda: [4, 3, 2, 1])  # kind=cartesian: top-k per depth
 
 
-@dataclass
-class Recipe:
-    target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
-    data: Data
+@dataclass(kw_only=True)
+class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, checkpoints, logging
     drafter: Literal["medusa", "blockwise"] = "medusa"
     output_dir: str = "outputs/heads"
     num_heads: int = 4  # head k predicts token t+k+2
@@ -104,24 +101,6 @@ class Recipe:
     blockwise: BlockwiseOptions = field(default_factory=BlockwiseOptions)
     distill: bool = False  # train on the target's distribution for token t+k+2 instead of the data token
     tree: TreeOptions = field(default_factory=TreeOptions)
-    optim: Optim = field(default_factory=Optim)
-    batch_size: int = 1  # per process
-    grad_accum: int = 1
-    epochs: int | None = 1
-    max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
-    seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the target's weights
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the heads (accelerate)
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
-    save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
-    keep_last: int = 0  # keep only the newest N checkpoint-<step> directories; 0 = all
-    eval_every: int = 0  # 0 = only at the end
-    resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
-    allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
-    wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
-    wandb_name: str | None = None  # the wandb run name; null = wandb's
-
 
 @dataclass
 class Summary:
@@ -141,9 +120,7 @@ def main(argv: list[str]) -> Summary:
     check(recipe)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
-    # cpu=True on machines without an accelerator, so torchrun / accelerate launch with several
-    # processes there runs gloo DDP instead of independent copies
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, cpu=not torch.accelerator.is_available())
+    accelerator = make_accelerator(recipe, "heads")
     say = accelerator.print
 
     target = load_target(recipe.target, dtype=recipe.dtype)
