@@ -38,6 +38,7 @@ class Entry:
     metrics: list[dict] = field(default_factory=list)  # training metrics.jsonl rows
     training: dict | None = None  # steps, tokens, wall seconds (None for baselines)
     target: dict = field(default_factory=dict)  # what the checkpoint records (drafters.checkpoint.target_info)
+    tree: str | None = None  # this entry's own tree spec for the main runs (None = the comparison's)
 
 
 def category_tau(report: dict) -> dict[str, float]:

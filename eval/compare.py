@@ -36,7 +36,9 @@ from drafters.targets import load_target
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
-    p.add_argument("--drafters", nargs="*", default=[], help="trained checkpoint directories")
+    p.add_argument("--drafters", nargs="*", default=[],
+                   help="trained checkpoint directories; DIR@TREE evaluates that one at its own tree spec "
+                        "(e.g. a Medusa checkpoint's calibrated static:DIR/tree.json); a directory may repeat")
     p.add_argument("--baselines", default="", help="comma-separated untrained proposers, e.g. prompt-lookup")
     p.add_argument("--bench", default="mt_bench", help="comma-separated: mt_bench, humaneval or JSONL paths")
     p.add_argument("--temperature", default="0", help="comma-separated temperatures")
@@ -65,7 +67,7 @@ def parse_args(argv):
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    entries = [checkpoint_entry(Path(d)) for d in args.drafters]
+    entries = [checkpoint_entry(*spec.partition("@")[::2]) for spec in args.drafters]
     check_same_target(entries, args.target)
     entries += [Entry(label=spec, family="baseline", source=spec) for spec in args.baseline_specs]
     unique_labels(entries)
@@ -73,7 +75,8 @@ def main(argv=None) -> Path:
     for entry in entries:
         for bench in args.benches:
             for temperature in args.temperatures:
-                entry.runs.append(evaluate(entry, args, bench, temperature, args.tree, out, speed=not args.no_speed))
+                entry.runs.append(evaluate(entry, args, bench, temperature, entry.tree or args.tree, out,
+                                           speed=not args.no_speed))
         for spec in args.sweep:
             entry.sweep.append(evaluate(entry, args, args.benches[0], args.temperatures[0], spec, out, speed=True))
     settings = [f"target: `{args.target}`", f"benches: {', '.join(args.benches)}"
@@ -86,7 +89,8 @@ def main(argv=None) -> Path:
     return index
 
 
-def checkpoint_entry(path: Path) -> Entry:
+def checkpoint_entry(directory: str, tree: str = "") -> Entry:
+    path = Path(directory)
     meta_path = path / CONFIG_FILE
     if not meta_path.is_file():
         raise SystemExit(f"compare: {path} is not a drafter checkpoint (no {CONFIG_FILE}); pass the "
@@ -98,8 +102,11 @@ def checkpoint_entry(path: Path) -> Entry:
     metrics = read_metrics(run_dir / "metrics.jsonl")
     training = {"steps": extra.get("step", 0), "tokens": extra.get("tokens", 0),
                 "wall_s": metrics[-1].get("elapsed_s") if metrics else None}
-    return Entry(label=f"{meta['family']}:{name}", family=meta["family"], source=str(path), metrics=metrics,
-                 training=training, target=meta.get("target", {}))
+    kind, _, arg = tree.partition(":")
+    shown = f"{kind}:{Path(arg).name}" if kind == "static" and "/" in arg else tree  # static:DIR/tree.json
+    label = f"{meta['family']}:{name}" + (f" @{shown}" if tree else "")
+    return Entry(label=label, family=meta["family"], source=str(path), metrics=metrics, training=training,
+                 target=meta.get("target", {}), tree=tree or None)
 
 
 def read_metrics(path: Path) -> list[dict]:

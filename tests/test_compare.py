@@ -80,3 +80,12 @@ def test_wrong_target_and_non_checkpoints_are_refused(checkpoint, tmp_path):
         run_compare(tmp_path / "report", checkpoint, target="tiny-random-gemma3")
     with pytest.raises(SystemExit, match="not a drafter checkpoint"):
         run_compare(tmp_path / "report", tmp_path)
+
+
+def test_a_drafter_can_run_at_its_own_tree(checkpoint, tmp_path):
+    index = compare.main(["--target", "tiny-random-llama", "--drafters", str(checkpoint), f"{checkpoint}@chain:1",
+                          "--bench", BENCH, "--tree", "chain:3", "--limit", "1", "--max-new-tokens", "8",
+                          "--threads", "1", "--no-speed", "--out", str(tmp_path / "r")])
+    rows = [line for line in index.read_text().splitlines() if line.startswith("| eagle3:")]
+    assert len(rows) == 2
+    assert "`chain:3` (3)" in rows[0] and rows[1].startswith("| eagle3:eagle3_tiny @chain:1 |") and "`chain:1` (1)" in rows[1]
