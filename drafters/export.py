@@ -125,8 +125,9 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
     """-> the target facts to export against (target_info fields). Raises ExportError."""
     if ckpt.family != "eagle3" and fmt != "native":
-        raise ExportError(f"export of a {ckpt.family} checkpoint to {fmt} is not supported; use "
-                          f"--format {ckpt.family}/native")
+        formats = {"eagle1": "eagle1 or native", "medusa": "medusa or native"}.get(ckpt.family, "native")
+        raise ExportError(f"export of a {ckpt.family} checkpoint to {fmt} is not supported (sglang and vllm "
+                          f"hold EAGLE-3 drafters); use --format {formats}")
     if target is not None:
         try:
             check_target(ckpt, target)
