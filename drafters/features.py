@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from drafters.checkpoint import target_info
 from drafters.data import Example, collate
@@ -124,14 +125,16 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
     feature = header["layer_spec"]["features"]
     num_shards = math.ceil(len(examples) / per_shard)
     start = time.perf_counter()
+    bar = tqdm(total=header["tokens"], unit="tok", unit_scale=True, desc="features", dynamic_ncols=True)
     for k in range(num_shards):
         name = f"shard-{k:05d}.safetensors"
         done = index["shards"].get(name)
         if done is not None and (directory / name).is_file() and (directory / name).stat().st_size == done["bytes"]:
             say(f"features: {name} already complete, skipped")
+            bar.update(done["tokens"])
             continue
         rows = examples[k * per_shard:(k + 1) * per_shard]
-        tensors = shard_tensors(target, rows, feature, dtype, batch_size)
+        tensors = shard_tensors(target, rows, feature, dtype, batch_size, bar)
         tmp = directory / f".{name}.tmp-{os.getpid()}"
         save_file(tensors, tmp, metadata={"format": FORMAT})
         os.replace(tmp, directory / name)  # atomic: a shard file is complete or absent
@@ -140,6 +143,7 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
         _write_index(directory, index)
         say(f"features: {name} written ({len(rows)} examples, {index['shards'][name]['tokens']} tokens, "
             f"{time.perf_counter() - start:.1f}s so far)")
+    bar.close()
     index["complete"] = True
     index["bytes"] = sum(s["bytes"] for s in index["shards"].values())
     index["bytes_per_token"] = index["bytes"] / max(index["tokens"], 1)
@@ -148,7 +152,7 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
     return index
 
 
-def shard_tensors(target, rows: list[Example], feature: str, dtype: torch.dtype, batch_size: int) -> dict:
+def shard_tensors(target, rows: list[Example], feature: str, dtype: torch.dtype, batch_size: int, bar=None) -> dict:
     """The target's features at every token of `rows` (one target forward per length-sorted batch)."""
     per_row: list[Tensor | None] = [None] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: num_tokens(rows[i]))
@@ -160,6 +164,8 @@ def shard_tensors(target, rows: list[Example], feature: str, dtype: torch.dtype,
         values = out.pre_norm_last if feature == "pre_norm" else out.last_hidden  # (B, T, h)
         for b, i in enumerate(chunk):
             per_row[i] = values[b, :num_tokens(rows[i])].to("cpu", dtype)  # (T_i, h), padding dropped
+        if bar is not None:
+            bar.update(sum(num_tokens(rows[i]) for i in chunk))
     lengths = torch.tensor([num_tokens(e) for e in rows])
     return {
         "features": torch.cat(per_row).contiguous(),  # (N, h)

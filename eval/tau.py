@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from drafters.benches import BenchItem, load_bench, render_prompt
 from drafters.decoding import RoundStats, speculative_generate
@@ -114,8 +115,10 @@ def main(argv=None) -> dict:
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"tau: {error}") from None
     run = Run()
-    for index, item in items:
+    bar = tqdm(items, unit="item", desc="tau", dynamic_ncols=True)  # on stderr: stdout keeps the report
+    for index, item in bar:
         evaluate_item(target, proposer, item, index, args, tree, sampling, run)
+        bar.set_postfix_str(f"tau {run.stats.tau:.2f}, {run.spec_tokens} tokens")
     if not run.prompts:
         raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
                          "lower --max-new-tokens or use shorter prompts")
