@@ -13,10 +13,10 @@ the decoder alone talks to the target. Node budgets (`chain:K`, `total`) exclude
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -307,3 +307,39 @@ def _parse_dynamic(arg: str) -> DynamicSpec:
             raise ValueError(f"bad field {item!r}: expected total=N, depth=N or topk=N with N >= 1")
         fields[key] = int(value)
     return DynamicSpec(**fields)
+
+
+# ---------------------------------------------------------------- helpers for proposers that sample
+
+
+def with_draft_probs(tree: Tree, probs: dict[int, Tensor]) -> Tree:
+    # draft_probs row i = q of node i's parent (row 0 unused). Nodes q cannot draw (its support ran
+    # out before the shape's siblings did: they come last among their siblings) go, with their
+    # subtrees; which ones depends on q alone, never on the draws, so the rest stays lossless.
+    parents, tokens = tree.parent_list, tree.tokens.tolist()
+    drawable = torch.stack([probs[p][t] for p, t in zip(parents[1:], tokens[1:])]).gt(0).tolist()
+    new_id = {0: 0}
+    for i, ok in enumerate(drawable, start=1):
+        if ok and parents[i] in new_id:
+            new_id[i] = len(new_id)
+    keep = list(new_id)  # ascending: still topological
+    rows = torch.stack([torch.zeros_like(probs[0])] + [probs[parents[i]] for i in keep[1:]])  # (N', V)
+    new_parents = torch.tensor([-1] + [new_id[parents[i]] for i in keep[1:]], device=tree.tokens.device)
+    return Tree(tree.tokens[keep], new_parents, rows)
+
+
+@lru_cache
+def chain_shape(depth: int) -> TreeShape:
+    return TreeShape.from_paths([[0] * d for d in range(1, depth + 1)])
+
+
+@lru_cache
+def sibling_order(shape: TreeShape) -> TreeShape:
+    # Same topology, rank = index among siblings: sampled child r is its parent's draw r, so a
+    # gap such as [[0], [2]] must not skip a draw (the verifier assumes consecutive draws).
+    renamed, count = {(): ()}, {}
+    for path in shape.paths:  # sorted by (depth, ranks): siblings in rank order
+        parent = renamed[path[:-1]]
+        count[parent] = count.get(parent, -1) + 1
+        renamed[path] = parent + (count[parent],)
+    return TreeShape.from_paths([renamed[p] for p in shape.paths])

@@ -27,7 +27,6 @@ from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.proposers import TargetNeeds
-from drafters.proposers.eagle import chain_shape, sibling_order, with_draft_probs
 from drafters.sampling import SamplingConfig, sample_without_replacement, warp
 from drafters.tree import (
     ChainSpec,
@@ -39,7 +38,10 @@ from drafters.tree import (
     TreeSpec,
     build_dynamic_tree,
     build_static_tree,
+    chain_shape,
     parse_tree_spec,
+    sibling_order,
+    with_draft_probs,
 )
 
 FAMILIES = {"medusa": (MedusaConfig, MedusaHeads), "blockwise": (BlockwiseConfig, BlockwiseHeads)}
