@@ -29,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # eval/tau.py, run in-
 import tau
 
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, target_info
+from drafters.proposers.loading import load_proposer
 from drafters.report import Entry, render
 from drafters.targets import load_target
+from drafters.tree import parse_tree_spec
 
 
 def parse_args(argv):
@@ -71,6 +73,7 @@ def main(argv=None) -> Path:
     check_same_target(entries, args.target)
     entries += [Entry(label=spec, family="baseline", source=spec) for spec in args.baseline_specs]
     unique_labels(entries)
+    check_trees(entries, args)
     out = Path(args.out)
     for entry in entries:
         for bench in args.benches:
@@ -139,6 +142,19 @@ def check_same_target(entries: list[Entry], target_name: str) -> None:
     if differ:
         raise SystemExit(f"compare: the drafters were trained for {first.target.get('name')!r}, not --target "
                          f"{target_name!r}: " + "; ".join(differ))
+
+
+def check_trees(entries: list[Entry], args) -> None:
+    """Every drafter must be able to draft every tree it will be asked for (e.g. a 4-head Medusa
+    cannot draft depth 5): refused here, before hours of evaluation, not in the middle of them."""
+    target = load_target(args.target)
+    for entry in entries:
+        for tree in dict.fromkeys([entry.tree or args.tree, *args.sweep]):
+            try:
+                load_proposer(entry.source, target, parse_tree_spec(tree))
+            except (ValueError, FileNotFoundError) as error:
+                raise SystemExit(f"compare: {entry.label} cannot run tree {tree!r}: {error}. Give it a tree "
+                                 f"it can draft with {entry.source}@TREE, or change --tree / --sweep") from None
 
 
 def unique_labels(entries: list[Entry]) -> None:

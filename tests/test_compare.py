@@ -89,3 +89,13 @@ def test_a_drafter_can_run_at_its_own_tree(checkpoint, tmp_path):
     rows = [line for line in index.read_text().splitlines() if line.startswith("| eagle3:")]
     assert len(rows) == 2
     assert "`chain:3` (3)" in rows[0] and rows[1].startswith("| eagle3:eagle3_tiny @chain:1 |") and "`chain:1` (1)" in rows[1]
+
+
+def test_a_tree_a_drafter_cannot_draft_is_refused_before_anything_runs(tmp_path):
+    heads = tmp_path / "medusa"  # 3 heads: depth <= 3
+    load_script("train/heads.py").main(["recipes/medusa_tiny.yaml", f"output_dir={heads}", "max_steps=2",
+                                        "save_every=0", "eval_every=0"])
+    with pytest.raises(SystemExit, match=r"medusa:medusa cannot run tree 'chain:5'.*@TREE"):
+        compare.main(["--target", "tiny-random-llama", "--drafters", str(heads / "checkpoint-final"),
+                      "--bench", BENCH, "--tree", "chain:2", "--sweep", "chain:5", "--out", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists()
