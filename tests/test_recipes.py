@@ -37,6 +37,6 @@ def test_accelerate_configs_load_with_accelerate(path):
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = load_config_from_file(str(path))
-    assert config.distributed_type.value in ("MULTI_GPU", "DEEPSPEED")
+    assert config.distributed_type.value in ("MULTI_GPU", "DEEPSPEED", "FSDP")
     assert path.read_text().startswith("# ") and "accelerate launch --config_file recipes/accelerate/" in \
         path.read_text().splitlines()[0]
