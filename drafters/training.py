@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from drafters.checkpoint import CheckpointError, check_target, save_checkpoint, step_checkpoints
+from drafters.checkpoint import CheckpointError, check_target, prune_checkpoints, save_checkpoint, step_checkpoints
 from drafters.data import Example, build_examples, collate
 from drafters.recipe import RecipeError
 from drafters.targets import Target
@@ -371,6 +371,40 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                          f"resume_from={path} (or resume_from=latest)") from None
     bar.close()
     return run.log.losses
+
+
+class RunBase:
+    """What train_loop asks of a training script's Run that is the same for every family. A
+    subclass sets recipe, accelerator, objective, output_dir, train_rows, sampler, and provides
+    micro_step, evaluate and save (drafters.training.train_loop's docstring)."""
+
+    def rows_of(self, passes: int, micro: int) -> str:
+        # 'file:line, ...' of the rows in micro-batch `micro` (0-based) of pass `passes`, this process
+        batches = self.sampler.batches(passes)[self.accelerator.process_index::self.accelerator.num_processes]
+        rows = [self.train_rows[i] for i in batches[micro]] if micro < len(batches) else []
+        return ", ".join(f"{e.source}:{e.row}" for e in rows) or "?"
+
+    def flush_due(self, step: int, total_steps: int) -> bool:
+        # log steps, the last step, and before a checkpoint (so its token count is exact)
+        save_every = self.recipe.save_every
+        return step % self.recipe.log_every == 0 or step == total_steps or bool(save_every and step % save_every == 0)
+
+    def reduce_sum(self, values: Tensor) -> Tensor:
+        return self.accelerator.reduce(values, reduction="sum")
+
+    def periodic(self, step: int, total_steps: int, position: Position) -> None:
+        if step == total_steps:
+            return  # the end of main() evaluates and saves checkpoint-final
+        recipe = self.recipe
+        if recipe.eval_every and step % recipe.eval_every == 0:
+            result = self.evaluate(step)
+            self.objective.train()
+        else:
+            result = None
+        if recipe.save_every and step % recipe.save_every == 0:
+            self.save(self.output_dir / f"checkpoint-{step}", step, result, position)
+            if self.accelerator.is_main_process:
+                prune_checkpoints(self.output_dir, self.recipe.keep_last)
 
 
 def check_finite(loss: Tensor, step: int, run, passes: int, micro: int, grad_accum: int) -> None:

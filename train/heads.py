@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
-from drafters.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, target_info
+from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
@@ -54,6 +54,7 @@ from drafters.targets import Target, load_target
 from drafters.training import (
     MetricsLog,
     Position,
+    RunBase,
     TrainRecipe,
     check_resume,
     length_sorted_batches,
@@ -265,7 +266,7 @@ def target_inputs(target: Target, batch: dict, dtype: torch.dtype, logits: bool)
 # ---- the loop (drafters.training.train_loop) ------------------------------------------------------
 
 
-class Run:
+class Run(RunBase):
     """The pieces of one training run that the loop, the evaluation and the saving share."""
 
     def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
@@ -284,12 +285,6 @@ class Run:
         if accelerator.is_main_process and resumed is None:
             (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
 
-    def rows_of(self, passes: int, micro: int) -> str:
-        # 'file:line, ...' of the rows in micro-batch `micro` (0-based) of pass `passes`, this process
-        batches = self.sampler.batches(passes)[self.accelerator.process_index::self.accelerator.num_processes]
-        rows = [self.train_rows[i] for i in batches[micro]] if micro < len(batches) else []
-        return ", ".join(f"{e.source}:{e.row}" for e in rows) or "?"
-
     def micro_step(self, batch: dict, acc: dict | None) -> dict:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
         hidden, teacher = target_inputs(self.target, batch, self.dtype, logits=self.recipe.distill)
@@ -307,28 +302,6 @@ class Run:
             "tokens": batch["attention_mask"].sum(),  # real tokens, no padding
         }
         return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
-
-    def flush_due(self, step: int, total_steps: int) -> bool:
-        # log steps, the last step, and before a checkpoint (so its token count is exact)
-        save_every = self.recipe.save_every
-        return step % self.recipe.log_every == 0 or step == total_steps or bool(save_every and step % save_every == 0)
-
-    def reduce_sum(self, values: Tensor) -> Tensor:
-        return self.accelerator.reduce(values, reduction="sum")
-
-    def periodic(self, step: int, total_steps: int, position: Position) -> None:
-        if step == total_steps:
-            return  # the end of main() evaluates and saves checkpoint-final
-        recipe = self.recipe
-        if recipe.eval_every and step % recipe.eval_every == 0:
-            result = self.evaluate(step)
-            self.objective.train()
-        else:
-            result = None
-        if recipe.save_every and step % recipe.save_every == 0:
-            self.save(self.output_dir / f"checkpoint-{step}", step, result, position)
-            if self.accelerator.is_main_process:
-                prune_checkpoints(self.output_dir, self.recipe.keep_last)
 
     def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
         """checkpoint-final: the heads only; with a data position: resumable (trainer state too).
