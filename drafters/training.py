@@ -101,6 +101,26 @@ def make_accelerator(recipe, script: str):
     return accelerator
 
 
+def start_run(recipe, script: str):
+    """The start every training script shares: threads, accelerator, the frozen target on its
+    device, the resume checks (before any work) and the train / held-out split.
+    -> (accelerator, target, resume checkpoint or None, train rows, held-out rows)."""
+    from drafters.checkpoint import load_checkpoint
+    from drafters.recipe import to_dict
+    from drafters.targets import load_target
+
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    accelerator = make_accelerator(recipe, script)
+    target = load_target(recipe.target, dtype=recipe.dtype)
+    target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
+    resume = resume_checkpoint(recipe, recipe.drafter)
+    if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
+        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
+    train_rows, held_out = load_examples(recipe, target, accelerator.print)
+    return accelerator, target, resume, train_rows, held_out
+
+
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,

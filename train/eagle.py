@@ -37,7 +37,7 @@ from accelerate.utils import set_seed
 from torch import nn
 from tqdm import tqdm
 
-from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
+from drafters.checkpoint import save_checkpoint, target_info
 from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle1 import Eagle1Drafter
@@ -53,22 +53,19 @@ from drafters.eagle1_training import (
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.features import FeatureStore, offline_batches, offline_loader
 from drafters.recipe import RecipeError, load_recipe, to_dict
-from drafters.targets import Target, load_target
+from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
     Position,
     RunBase,
     TrainRecipe,
-    check_resume,
     length_sorted_batches,
-    load_examples,
     load_run_state,
     lr_factor,
-    make_accelerator,
     pad_id,
     plan_steps,
-    resume_checkpoint,
     save_run_checkpoint,
+    start_run,
     train_loader,
     train_loop,
     wandb_sink,
@@ -86,6 +83,7 @@ class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, 
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (drafter: eagle1)
 
+
 @dataclass
 class Summary:
     steps: int
@@ -102,17 +100,8 @@ def main(argv: list[str]) -> Summary:
         raise SystemExit("usage: python train/eagle.py RECIPE.yaml [key=value ...]")
     recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
     check(recipe)
-    if recipe.threads:
-        torch.set_num_threads(recipe.threads)
-    accelerator = make_accelerator(recipe, "eagle")
+    accelerator, target, resume, train_rows, held_out = start_run(recipe, "eagle")
     say = accelerator.print
-
-    target = load_target(recipe.target, dtype=recipe.dtype)
-    target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
-    resume = resume_checkpoint(recipe, recipe.drafter)
-    if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
-        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
-    train_rows, held_out = load_examples(recipe, target, say)
     store = None
     if recipe.features.dir:  # offline: refuses features computed for other data, target or feature
         store = FeatureStore.open(recipe.features.dir)

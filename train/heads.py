@@ -43,29 +43,26 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
-from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
+from drafters.checkpoint import save_checkpoint, target_info
 from drafters.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.proposers.heads import TREE_FILE
 from drafters.recipe import RecipeError, load_recipe, to_dict
-from drafters.targets import Target, load_target
+from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
     Position,
     RunBase,
     TrainRecipe,
-    check_resume,
     length_sorted_batches,
-    load_examples,
     load_run_state,
     lr_factor,
-    make_accelerator,
     pad_id,
     plan_steps,
-    resume_checkpoint,
     save_run_checkpoint,
+    start_run,
     train_loader,
     train_loop,
     wandb_sink,
@@ -103,6 +100,7 @@ class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, 
     distill: bool = False  # train on the target's distribution for token t+k+2 instead of the data token
     tree: TreeOptions = field(default_factory=TreeOptions)
 
+
 @dataclass
 class Summary:
     steps: int
@@ -119,17 +117,8 @@ def main(argv: list[str]) -> Summary:
         raise SystemExit("usage: python train/heads.py RECIPE.yaml [key=value ...]")
     recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
     check(recipe)
-    if recipe.threads:
-        torch.set_num_threads(recipe.threads)
-    accelerator = make_accelerator(recipe, "heads")
+    accelerator, target, resume, train_rows, held_out = start_run(recipe, "heads")
     say = accelerator.print
-
-    target = load_target(recipe.target, dtype=recipe.dtype)
-    target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
-    resume = resume_checkpoint(recipe, recipe.drafter)
-    if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
-        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
-    train_rows, held_out = load_examples(recipe, target, say)
     check_heads_have_labels(recipe, train_rows)
     set_seed(recipe.seed)  # the heads' initialisation and nothing before it
     drafter = build_drafter(recipe, target)
