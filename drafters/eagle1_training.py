@@ -33,9 +33,6 @@ class Features:  # offline target features (drafters.features; written by train/
 def check_eagle1(recipe) -> list[str]:
     """Problems with the EAGLE-1 / offline-features fields of a train/eagle.py recipe."""
     o, problems = recipe.eagle1, []
-    if recipe.features.dir and recipe.drafter != "eagle1":
-        problems.append(f"features.dir={recipe.features.dir}: offline features are implemented for drafter=eagle1 "
-                        f"only; unset it to train {recipe.drafter} online")
     if recipe.features.shard_rows < 1:
         problems.append(f"features.shard_rows={recipe.features.shard_rows} must be >= 1")
     if recipe.drafter != "eagle1":

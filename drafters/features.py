@@ -1,23 +1,26 @@
 """Offline target features: run the frozen target once over a recipe's examples, keep what a drafter
-family trains on in safetensors shards, and stream them back during training.
+family trains on in safetensors shards, and stream them back during training (EAGLE-3 and EAGLE-1).
 
-    python train/features.py recipes/eagle1_tiny.yaml features.dir=outputs/features/eagle1_tiny
-    python train/eagle.py recipes/eagle1_tiny.yaml features.dir=outputs/features/eagle1_tiny
+    python train/features.py recipes/eagle3_tiny.yaml features.dir=outputs/features/eagle3_tiny
+    python train/eagle.py recipes/eagle3_tiny.yaml features.dir=outputs/features/eagle3_tiny
 
 A features directory holds
     index.json                header (format, family, layer spec, storage dtype, target info + dtype,
                               data fingerprint) + the finished shards, row / token counts, bytes
     shard-00000.safetensors   examples [k * shard_rows, (k+1) * shard_rows) of ALL usable examples, in
                               data order (the train / held-out split happens at training time):
-        features   (N, h)  storage dtype   the feature the family reads (EAGLE-1: the last hidden state,
-                                           pre-norm or normed as eagle1.feature says)
+        features   (N, F)  storage dtype   the feature the family reads. EAGLE-1: F = h, the last hidden
+                                           state, pre-norm or normed as eagle1.feature says. EAGLE-3: F = n*h,
+                                           the fused aux layers cat(hidden_states[l] for l in layers)
+        label_hidden (N, h) storage dtype  EAGLE-3 only: hidden_states[L], the final-normed last hidden state
         input_ids  (N,)    int32           loss_mask (N,) bool
         offsets    (R+1,)  int64           example r = tokens offsets[r]:offsets[r+1] of the shard
         rows       (R,)    int64           the example's row in the data file (how training finds it)
-No logits are stored (V x 2 bytes per token, 98 kB for SmolLM2 against 1.2 kB of bf16 feature): EAGLE-1's
-soft-CE target, the target's distribution at t+1, is recomputed from the stored feature_{t+1} through the
-frozen head (final norm if pre-norm, LM head), which is what the target itself computes: exact up to the
-storage dtype (float32 storage gives the online logits up to float rounding).
+No logits are stored (V x 2 bytes per token, 98 kB for SmolLM2 against 1.2 kB of bf16 feature): the soft-CE
+target, the target's distribution at t+1, is recomputed through the frozen head (final norm if pre-norm,
+LM head, softcap) from the stored feature_{t+1} (EAGLE-1) or label_hidden_{t+1} (EAGLE-3, at supervised
+rows only: drafters.losses.HeadRows), which is what the target itself computes. EAGLE-3 trains online
+through the same HeadRows, so with float32 storage online and offline losses are bit-identical.
 
 Writing is resumable: each shard goes to a temporary file renamed into place, index.json (rewritten
 atomically after each shard) lists the finished ones, and a rerun skips them. Reading refuses features
@@ -44,7 +47,9 @@ from tqdm import tqdm
 
 from drafters.checkpoint import target_info
 from drafters.data import Example, collate
+from drafters.eagle3 import fuse_features
 from drafters.recipe import RecipeError
+from drafters.targets import default_eagle3_layers
 from drafters.training import LengthBuckets, num_tokens
 
 FORMAT = "drafters-features/1"
@@ -53,6 +58,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; eval_* / seed only split them
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")
+STORED_VALUES = ("features", "label_hidden")  # per-token tensors a shard may hold, besides tokens and masks
 LAYER_SPECS = {  # eagle1.feature -> what `features` holds, in words (HF hidden_states indices, DESIGN.md)
     "pre_norm": "output of the last decoder layer before the final norm (input of the final norm)",
     "normed": "hidden_states[L]: the final-normed last hidden state",
@@ -66,16 +72,27 @@ class FeatureStoreError(RecipeError):
 # ---- the header: what the features were computed from -------------------------------------------
 
 
+def layer_spec(recipe, target) -> dict:
+    """What `features` (and `label_hidden`) hold for this recipe. spec["features"] is compared on reading:
+    EAGLE-1: eagle1.feature; EAGLE-3: "fused:2,15,27" (the aux layers, HF hidden_states indices)."""
+    if recipe.drafter == "eagle1":
+        return {"features": recipe.eagle1.feature, "what": LAYER_SPECS[recipe.eagle1.feature]}
+    if recipe.drafter == "eagle3":
+        layers = default_eagle3_layers(target.num_layers) if recipe.layers is None else list(recipe.layers)
+        return {"features": "fused:" + ",".join(map(str, layers)), "layers": layers,
+                "what": f"cat(hidden_states[l] for l in {layers}): the EAGLE-3 fusion input, n*h wide",
+                "label_hidden": "hidden_states[L], final-normed: soft labels = frozen head at supervised rows"}
+    raise FeatureStoreError(f"offline features (features.dir) are implemented for drafter=eagle3 and eagle1, not "
+                            f"{recipe.drafter}; unset features.dir to train {recipe.drafter} online")
+
+
 def features_header(recipe, target) -> dict:
     """What the stored tensors depend on, from a train/eagle.py recipe and the loaded target."""
-    if recipe.drafter != "eagle1":
-        raise FeatureStoreError(f"offline features (features.dir) are implemented for drafter=eagle1 only, not "
-                                f"{recipe.drafter}; unset features.dir to train {recipe.drafter} online")
     data = asdict(recipe.data)
     return {
         "format": FORMAT,
         "family": recipe.drafter,
-        "layer_spec": {"features": recipe.eagle1.feature, "what": LAYER_SPECS[recipe.eagle1.feature]},
+        "layer_spec": layer_spec(recipe, target),
         "dtype": recipe.features.dtype,
         "shard_rows": recipe.features.shard_rows,
         "target": {**target_info(target), "dtype": str(target.dtype).removeprefix("torch.")},
@@ -122,7 +139,7 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
     header = {**header, "rows": len(examples), "tokens": sum(map(num_tokens, examples))}
     index = _resumable_index(directory, header)
     dtype, per_shard = DTYPES[header["dtype"]], header["shard_rows"]
-    feature = header["layer_spec"]["features"]
+    spec = header["layer_spec"]
     num_shards = math.ceil(len(examples) / per_shard)
     start = time.perf_counter()
     bar = tqdm(total=header["tokens"], unit="tok", unit_scale=True, desc="features", dynamic_ncols=True)
@@ -134,7 +151,7 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
             bar.update(done["tokens"])
             continue
         rows = examples[k * per_shard:(k + 1) * per_shard]
-        tensors = shard_tensors(target, rows, feature, dtype, batch_size, bar)
+        tensors = shard_tensors(target, rows, spec, dtype, batch_size, bar)
         tmp = directory / f".{name}.tmp-{os.getpid()}"
         save_file(tensors, tmp, metadata={"format": FORMAT})
         os.replace(tmp, directory / name)  # atomic: a shard file is complete or absent
@@ -152,23 +169,32 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
     return index
 
 
-def shard_tensors(target, rows: list[Example], feature: str, dtype: torch.dtype, batch_size: int, bar=None) -> dict:
+def target_values(target, input_ids: Tensor, attention_mask: Tensor, spec: dict) -> dict[str, Tensor]:
+    """One target forward -> the tensors a features directory stores, each (B, T, F)."""
+    feature = spec["features"]
+    if feature.startswith("fused:"):  # EAGLE-3
+        out = target.features(input_ids, attention_mask, layers=spec["layers"], logits=False)
+        return {"features": fuse_features(out.hidden_states, spec["layers"]), "label_hidden": out.last_hidden}
+    out = target.features(input_ids, attention_mask, pre_norm_last=feature == "pre_norm", logits=False)
+    return {"features": out.pre_norm_last if feature == "pre_norm" else out.last_hidden}  # EAGLE-1
+
+
+def shard_tensors(target, rows: list[Example], spec: dict, dtype: torch.dtype, batch_size: int, bar=None) -> dict:
     """The target's features at every token of `rows` (one target forward per length-sorted batch)."""
-    per_row: list[Tensor | None] = [None] * len(rows)
+    per_row: dict[str, list] = {}
     order = sorted(range(len(rows)), key=lambda i: num_tokens(rows[i]))
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         batch = {k: v.to(target.device) for k, v in collate([rows[i] for i in chunk], 0).items()}
-        out = target.features(batch["input_ids"], batch["attention_mask"], pre_norm_last=feature == "pre_norm",
-                              logits=False)
-        values = out.pre_norm_last if feature == "pre_norm" else out.last_hidden  # (B, T, h)
-        for b, i in enumerate(chunk):
-            per_row[i] = values[b, :num_tokens(rows[i])].to("cpu", dtype)  # (T_i, h), padding dropped
+        for name, values in target_values(target, batch["input_ids"], batch["attention_mask"], spec).items():
+            stored = per_row.setdefault(name, [None] * len(rows))
+            for b, i in enumerate(chunk):
+                stored[i] = values[b, :num_tokens(rows[i])].to("cpu", dtype)  # (T_i, F), padding dropped
         if bar is not None:
             bar.update(sum(num_tokens(rows[i]) for i in chunk))
     lengths = torch.tensor([num_tokens(e) for e in rows])
     return {
-        "features": torch.cat(per_row).contiguous(),  # (N, h)
+        **{name: torch.cat(values).contiguous() for name, values in per_row.items()},  # (N, F) each
         "input_ids": torch.tensor([t for e in rows for t in e.input_ids], dtype=torch.int32),  # (N,)
         "loss_mask": torch.tensor([m for e in rows for m in e.loss_mask], dtype=torch.bool),  # (N,)
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # (R+1,)
@@ -208,11 +234,13 @@ def _write_index(directory: Path, index: dict) -> None:
 
 def storage_report(index: dict) -> str:
     h, itemsize = index["target"]["hidden_size"], DTYPES[index["dtype"]].itemsize
+    spec = index["layer_spec"]
+    width = h * len(spec.get("layers", [None])) + (h if "label_hidden" in spec else 0)  # values per token
     logits = index["target"]["vocab_size"] * 2
     return (f"features: {index['rows']} examples, {index['tokens']} tokens in {len(index['shards'])} shards, "
-            f"{index['bytes']} bytes = {index['bytes_per_token']:.1f} bytes per token (feature {h} x {itemsize} = "
-            f"{h * itemsize}, input_ids 4, loss_mask 1, plus offsets and headers); storing the full-vocab logits "
-            f"would add {logits} bytes per token in 16 bits: they are recomputed from the features instead")
+            f"{index['bytes']} bytes = {index['bytes_per_token']:.1f} bytes per token (features {width} x {itemsize} "
+            f"= {width * itemsize}, input_ids 4, loss_mask 1, plus offsets and headers); storing the full-vocab "
+            f"logits would add {logits} bytes per token in 16 bits: they are recomputed from the features instead")
 
 
 # ---- reading -----------------------------------------------------------------------------------------
@@ -286,12 +314,14 @@ class FeatureStore:
                 self._ids.append(ids[a:b])
                 self._masks.append(masks[a:b])
 
-    def features(self, stored: int) -> Tensor:
-        """(T, h) in the storage dtype, for the stored example `stored` (from `locate`)."""
+    def features(self, stored: int) -> dict[str, Tensor]:
+        """{"features": (T, F), and for EAGLE-3 "label_hidden": (T, h)} in the storage dtype, for the
+        stored example `stored` (from `locate`)."""
         name, a, b = self._where[stored]
         if name not in self._handles:
             self._handles[name] = safe_open(self.directory / name, framework="pt")  # memory-mapped
-        return self._handles[name].get_slice("features")[a:b]
+        handle = self._handles[name]
+        return {key: handle.get_slice(key)[a:b] for key in STORED_VALUES if key in handle.keys()}
 
 
 def _what(field: str) -> str:
@@ -306,7 +336,7 @@ def _what(field: str) -> str:
 
 
 class OfflineRows(Dataset):
-    """examples[i] with its stored features: (Example, (T_i, h))."""
+    """examples[i] with its stored values: (Example, {"features": (T_i, F), ...})."""
 
     def __init__(self, examples: list[Example], store: FeatureStore):
         self.examples, self.store, self.stored = examples, store, store.locate(examples)
@@ -319,13 +349,13 @@ class OfflineRows(Dataset):
 
 
 def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
-    """drafters.data.collate plus features (B, T, h), zero on padding, in the storage dtype."""
+    """drafters.data.collate plus each stored value (B, T, F), zero on padding, in the storage dtype."""
     batch = collate([example for example, _ in items], pad_id)
-    first = items[0][1]
-    features = first.new_zeros(len(items), batch["input_ids"].shape[1], first.shape[-1])
-    for b, (_, values) in enumerate(items):
-        features[b, :values.shape[0]] = values
-    batch["features"] = features
+    for key, first in items[0][1].items():
+        padded = first.new_zeros(len(items), batch["input_ids"].shape[1], first.shape[-1])
+        for b, (_, values) in enumerate(items):
+            padded[b, :values[key].shape[0]] = values[key]
+        batch[key] = padded
     return batch
 
 

@@ -9,6 +9,22 @@ import torch
 from torch import Tensor
 
 
+class HeadRows:
+    """The target's logits at chosen rows only, computed on demand: the label side of a loss without the
+    (B, T, V) tensor (V = 49k for SmolLM2, 262k for Gemma-3) that a full LM head pass materialises.
+        hidden (B, T, h): the final-normed last hidden state (HF hidden_states index L)
+        head: (N, h) -> (N, V), the target's frozen head (lm_head, then its logit softcap if any)
+    rows[mask] (mask (B, T) bool) = head(hidden[mask]) (N, V) = full_logits[mask], as a tensor would be
+    indexed: code written for a (B, T, V) logits tensor that only reads it at masked rows takes either.
+    Online and offline training build it the same way, so their labels are computed identically."""
+
+    def __init__(self, hidden: Tensor, head):
+        self.hidden, self.head = hidden, head
+
+    def __getitem__(self, mask: Tensor) -> Tensor:
+        return self.head(self.hidden[mask])
+
+
 def draft_vocab_ids(t2d: Tensor, draft_vocab_size: int) -> Tensor:
     """(N,) target ids kept by the draft vocab, ascending (= arange(N) + d2t); no host sync."""
     return torch.argsort((~t2d).to(torch.int8), stable=True)[:draft_vocab_size]

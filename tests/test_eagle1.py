@@ -224,7 +224,6 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkey
     ("eagle1.noise=-0.1", "eagle1.noise=-0.1 must be >= 0"),
     ("eagle1.feature_weight=0 eagle1.token_weight=0", "not both 0"),
     ("layers=[1,2,3]", "EAGLE-1 reads the last hidden state only"),
-    ("drafter=eagle3 features.dir=somewhere", "offline features are implemented for drafter=eagle1 only"),
     ("optim.clip_value=0", "optim.clip_value"),
 ])
 def test_bad_eagle1_recipe_values_fail_clearly(eagle, tmp_path, override, message):

@@ -142,8 +142,88 @@ def test_missing_incomplete_or_mismatched_stores_are_refused(scripts, written, t
         store.locate([example])
 
 
-def test_features_dir_is_required_and_eagle3_is_refused(scripts, tmp_path):
+def test_features_dir_is_required(scripts, tmp_path):
     with pytest.raises(RecipeError, match="features.dir is not set"):
         scripts[0].main([RECIPE, f"data.path={DATA}"])
-    with pytest.raises(RecipeError, match="implemented for drafter=eagle1 only"):
-        scripts[0].main([RECIPE, f"data.path={DATA}", "drafter=eagle3", f"features.dir={tmp_path}"])
+
+
+# ---- EAGLE-3: fused aux layers + the final-normed hidden state for the soft labels -------------------
+
+EAGLE3 = str(ROOT / "recipes" / "eagle3_tiny.yaml")
+AUX = [2, 4, 5]  # [2, L//2, L-3] of the 8-layer tiny Llama
+
+
+@pytest.fixture(scope="module")
+def written_eagle3(scripts, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("features") / "eagle3"
+    index = scripts[0].main([EAGLE3, f"data.path={DATA}", f"features.dir={directory}", "features.dtype=float32"])
+    return directory, index
+
+
+def test_eagle3_shards_hold_the_fused_layers_and_the_label_hidden_state(written_eagle3):
+    directory, index = written_eagle3
+    assert index["family"] == "eagle3" and index["layer_spec"]["features"] == "fused:2,4,5"
+    # 3 aux layers + the label hidden state, float32: 4 * 64 * 4 bytes, + id + mask + overhead
+    assert 4 * HIDDEN * 4 + 5 < index["bytes_per_token"] < 4 * HIDDEN * 4 + 5 + 8
+    shard = load_file(directory / "shard-00000.safetensors")  # shard_rows 512: all 20 examples
+    a, b = shard["offsets"][7:9].tolist()
+    target = load_target("tiny-random-llama")
+    out = target.features(shard["input_ids"][a:b].long()[None], layers=AUX, logits=True)
+    fused = torch.cat([out.hidden_states[i][0] for i in AUX], -1)  # (T, 3h)
+    torch.testing.assert_close(shard["features"][a:b], fused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shard["label_hidden"][a:b], out.last_hidden[0], atol=1e-5, rtol=1e-5)
+    # the soft labels are recomputed from it: the frozen head gives the target's own logits
+    torch.testing.assert_close(target.lm_head(shard["label_hidden"][a:b]), out.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(scripts, tmp_path):
+    # One batch, computed online (a target forward) and from float32 features written by ONE target forward
+    # over the same examples (same padded length): the training loss and its gradients are the same bits.
+    from drafters.data import build_examples, collate
+    from drafters.features import features_header, offline_batches, write_features
+    from drafters.recipe import load_recipe
+
+    eagle = scripts[1]
+    recipe = load_recipe(EAGLE3, [f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"],
+                         schema=eagle.Recipe)
+    target = load_target(recipe.target)
+    examples, _ = build_examples(target.tokenizer, str(DATA), max_length=128)
+    batch_rows = examples[3:7]
+    write_features(tmp_path, target, batch_rows, features_header(recipe, target), batch_size=len(batch_rows))
+    store = eagle.FeatureStore.open(tmp_path)
+    drafter = eagle.build_drafter(recipe, target, eagle.build_draft_vocab(
+        [(e.input_ids, e.loss_mask) for e in examples], target.vocab_size, recipe.draft_vocab_size))
+    online_batch = collate(batch_rows, eagle.pad_id(target))
+    offline_batch = offline_batches(store, [batch_rows], eagle.pad_id(target))[0]
+    losses, grads = [], []
+    for batch, inputs in ((online_batch, eagle.target_inputs_fn(
+            load_recipe(EAGLE3, [f"data.path={DATA}"], schema=eagle.Recipe), target, drafter)),
+                          (offline_batch, eagle.target_inputs_fn(recipe, target, drafter))):
+        features, labels = inputs(batch)
+        drafter.zero_grad()
+        out = drafter.ttt_forward(features, batch["input_ids"], labels, batch["loss_mask"], target.embed_tokens,
+                                  steps=recipe.ttt_steps)
+        out.loss.backward()
+        losses.append(out.step_losses.detach())
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+    assert torch.equal(losses[0], losses[1]) and losses[0].sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_eagle3_trains_offline_as_it_trains_online(scripts, written_eagle3, tmp_path):
+    # Whole runs: the training batches' target forwards pad differently from the writer's, so the stored
+    # features differ from the online ones by float rounding at most.
+    common = [EAGLE3, f"data.path={DATA}", "max_steps=4", "eval_every=2"]
+    online = scripts[1].main([*common, f"output_dir={tmp_path / 'online'}"])
+    offline = scripts[1].main([*common, f"output_dir={tmp_path / 'offline'}", f"features.dir={written_eagle3[0]}",
+                               "features.dtype=float32"])
+    assert offline.losses == pytest.approx(online.losses, rel=1e-5)
+    assert offline.eval["step_acc"] == pytest.approx(online.eval["step_acc"])
+    assert offline.eval["loss"] == pytest.approx(online.eval["loss"], rel=1e-5)
+
+
+def test_eagle3_features_for_other_aux_layers_are_refused(scripts, written_eagle3, tmp_path):
+    with pytest.raises(FeatureStoreError, match="layer_spec.features is 'fused:2,4,5' in the stored features but "
+                                                "'fused:1,4,6'"):
+        scripts[1].main([EAGLE3, f"data.path={DATA}", f"output_dir={tmp_path}", f"features.dir={written_eagle3[0]}",
+                         "features.dtype=float32", "layers=[1,4,6]"])

@@ -116,7 +116,7 @@ def test_held_out_evaluation(run):
 @pytest.mark.parametrize("override, error, message", [
     ("unknown_key=1", RecipeError, "unknown key 'unknown_key'"),
     ("optim.lrr=0.1", RecipeError, "did you mean 'lr'"),
-    ("features.dir=somewhere", RecipeError, "offline features are implemented for drafter=eagle1 only"),
+    ("features.dir=somewhere", RecipeError, "features.dir=somewhere: no index.json; write the features first"),
     ("ttt_steps=0", RecipeError, "ttt_steps=0 must be >= 1"),
     ("draft_vocab_size=0", RecipeError, "draft_vocab_size=0 must be >= 1"),
     ("draft_vocab_size=-5", RecipeError, "draft_vocab_size=-5 must be >= 1"),

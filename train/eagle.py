@@ -12,8 +12,9 @@ EAGLE-1 (`drafter: eagle1`, drafters.eagle1 / drafters.eagle1_training): Eagle1D
 frozen head and embedding, no draft vocabulary; features = the last hidden state (eagle1.feature) +
 logits; loss = eagle1.feature_weight * SmoothL1(feature_{t+1}) + eagle1.token_weight * soft CE(token
 t+2), U(-eagle1.noise, eagle1.noise) on the input features while training; metrics.jsonl step_loss =
-[feature, token] loss, step_acc = its top-1. With features.dir set the features are streamed from what
-`python train/features.py RECIPE` precomputed (drafters.features) instead of running the target.
+[feature, token] loss, step_acc = its top-1. With features.dir set (EAGLE-3 or EAGLE-1) the features are streamed from
+what `python train/features.py RECIPE` precomputed (drafters.features) instead of running the target;
+EAGLE-3's soft labels come from the stored final hidden state through the frozen head, at supervised rows.
 optim.clip_value (null = off) clips each gradient element before max_grad_norm clips the norm.
 
 Writes to output_dir (relative paths in the recipe are relative to the current directory):
@@ -40,7 +41,7 @@ from tqdm import tqdm
 from drafters.checkpoint import save_checkpoint, target_info
 from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
-from drafters.eagle1 import Eagle1Drafter
+from drafters.eagle1 import Eagle1Drafter, FrozenHead
 from drafters.eagle1_training import (
     Eagle1Objective,
     Eagle1Options,
@@ -52,6 +53,7 @@ from drafters.eagle1_training import (
 )
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.features import FeatureStore, offline_batches, offline_loader
+from drafters.losses import HeadRows
 from drafters.recipe import RecipeError, load_recipe, to_dict
 from drafters.targets import Target
 from drafters.training import (
@@ -81,7 +83,7 @@ class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, 
     ttt_steps: int = 7
     step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
-    features: Features = field(default_factory=Features)  # offline features (drafter: eagle1)
+    features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
 
 @dataclass
@@ -205,16 +207,28 @@ class Eagle3Objective(nn.Module):
 
 
 def target_inputs_fn(recipe: Recipe, target: Target, drafter):
-    """-> batch -> (features in the drafter's dtype, target logits (B, T, V)), no grad, for recipe.drafter."""
+    """-> batch -> (features in the drafter's dtype, target logits (B, T, V) or HeadRows), no grad, for
+    recipe.drafter, online (a target forward) or offline (features.dir)."""
     if recipe.drafter == "eagle1":
-        return eagle1_inputs_fn(recipe, target, drafter)  # online or offline (features.dir)
-    return partial(target_inputs, target, drafter.config.aux_layers, dtype=drafter.fc.weight.dtype)
+        return eagle1_inputs_fn(recipe, target, drafter)
+    head, dtype = FrozenHead.from_target(target, "normed"), drafter.fc.weight.dtype
+    if recipe.features.dir:
+        return partial(stored_inputs, head, dtype=dtype)
+    return partial(target_inputs, target, head, drafter.config.aux_layers, dtype=dtype)
 
 
-def target_inputs(target: Target, aux_layers: list[int], batch: dict, dtype: torch.dtype):
-    """-> fused features (B, T, n*h) in the drafter's dtype, target logits (B, T, V); no grad."""
-    out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=True)
-    return fuse_features(out.hidden_states, aux_layers).to(dtype), out.logits
+@torch.no_grad()
+def target_inputs(target: Target, head: FrozenHead, aux_layers: list[int], batch: dict, dtype: torch.dtype):
+    """-> fused features (B, T, n*h) in the drafter's dtype, the target's logits as HeadRows (computed at
+    the supervised rows only, drafters.losses); no grad."""
+    out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=False)
+    return fuse_features(out.hidden_states, aux_layers).to(dtype), HeadRows(out.last_hidden, head)
+
+
+@torch.no_grad()
+def stored_inputs(head: FrozenHead, batch: dict, dtype: torch.dtype):
+    """target_inputs from offline features (drafters.features: fused features and label_hidden stored)."""
+    return batch["features"].to(dtype), HeadRows(batch["label_hidden"], head)
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -274,7 +288,8 @@ class Run(RunBase):
                 result = evaluate_eagle1(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
                                          self.recipe, self.accelerator)
             else:
-                result = evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator)
+                result = evaluate(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches, self.recipe,
+                                  self.accelerator)
             result["step"] = step
             tqdm.write(format_eval(result))  # keeps the progress bar intact
             with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
@@ -289,7 +304,7 @@ class Run(RunBase):
 
 
 @torch.no_grad()
-def evaluate(drafter: Eagle3Drafter, target: Target, batches: list[dict], recipe: Recipe, accelerator) -> dict:
+def evaluate(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], recipe: Recipe, accelerator) -> dict:
     """Per TTT step k (k = 1 .. K, step k drafts the k-th token of a chain):
         acc_k          = correct top-1 / supervised positions (target argmax outside the draft vocab
                          counts as a miss: the drafter can never propose it)
@@ -304,10 +319,10 @@ def evaluate(drafter: Eagle3Drafter, target: Target, batches: list[dict], recipe
     loss = torch.zeros((), device=accelerator.device)
     for batch in batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        features, target_logits = target_inputs(target, drafter.config.aux_layers, batch, drafter.fc.weight.dtype)
+        features, target_logits = inputs(batch)  # online or offline, as in training
         with accelerator.autocast():
             out = drafter.ttt_forward(features, batch["input_ids"], target_logits, batch["loss_mask"],
-                                      target.embed_tokens, steps=steps, step_weight=recipe.step_weight)
+                                      embed, steps=steps, step_weight=recipe.step_weight)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])

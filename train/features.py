@@ -1,15 +1,17 @@
 """Precompute a drafter family's target features once, to disk, for offline training (drafters.features).
 
-    python train/features.py recipes/eagle1_smollm2.yaml features.dir=outputs/features/smollm2 [key=value ...]
-    python train/eagle.py recipes/eagle1_smollm2.yaml features.dir=outputs/features/smollm2
+    python train/features.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2 [key=value ...]
+    python train/eagle.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2
 
-Reads the same recipe (and overrides) as train/eagle.py: target, dtype, data, drafter, eagle1.feature and
+Reads the same recipe (and overrides) as train/eagle.py: target, dtype, data, drafter, layers (EAGLE-3) or
+eagle1.feature (EAGLE-1) and
 the `features` section: dir (required here: where to write; training streams from it when set), dtype
 (bfloat16 | float16 | float32 storage), shard_rows; batch_size is the target's forward batch. Runs the
 target over ALL usable examples (the train / held-out split is made at training time, so eval_rows /
 eval_fraction / data.seed may change afterwards) and writes index.json + safetensors shards. Rerunning
 with the same recipe resumes: finished shards are skipped. Prints the storage in bytes per token.
-Implemented for drafter=eagle1 (EAGLE-3 trains online).
+EAGLE-3 stores the fused aux layers and the final-normed hidden state (for the soft labels); EAGLE-1 its
+one feature.
 """
 
 import importlib.util
