@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from drafters.draft_vocab import DraftVocab
-from drafters.losses import draft_vocab_targets, soft_cross_entropy
+from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
 
@@ -297,19 +297,18 @@ class Eagle3Drafter(nn.Module):
             counted = label_mask & (label_rows >= 0)  # supervised AND target argmax in vocab
             counted_rows = label_rows[counted]  # (M,) M = counted positions of this step
             num_rows = label_mask.shape[1]
+            target_p, argmax_draft = (t[counted_rows] for t in targets)  # (M, Vd), (M,)
+            num_positions = batch * seq_len if normalize == "positions" else None
             if return_logits:  # tests: every position's logits, scored at the counted ones
                 logits = self.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, Vd)
                 step_logits.append(logits)
-                counted_logits = logits[counted]  # (M, Vd)
-            else:
-                counted_logits = self.compute_logits(hidden[:, :num_rows][counted])  # (M, Vd)
-            target_p, argmax_draft = (t[counted_rows] for t in targets)  # (M, Vd), (M,)
-            all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
-            num_positions = batch * seq_len if normalize == "positions" else None
-            loss, accuracy, count = soft_cross_entropy(
-                counted_logits, target_p, all_counted, argmax_draft, all_counted,
-                num_positions=num_positions)
-            metrics.append((loss, accuracy, count))
+                all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
+                metrics.append(soft_cross_entropy(logits[counted], target_p, all_counted, argmax_draft,
+                                                  all_counted, num_positions=num_positions))
+            else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
+                normed = self.norm(hidden[:, :num_rows][counted])  # (M, h)
+                metrics.append(linear_soft_cross_entropy(normed, self.lm_head.weight, target_p, argmax_draft,
+                                                         num_positions=num_positions))
         step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
         weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
         return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,

@@ -78,3 +78,54 @@ def soft_cross_entropy_draft_vocab(draft_logits: Tensor, target_logits: Tensor, 
     -> (loss, accuracy, count) as in `soft_cross_entropy`."""
     targets = draft_vocab_targets(target_logits, t2d, draft_logits.shape[-1])
     return soft_cross_entropy(draft_logits, *targets, loss_mask, num_positions=num_positions)
+
+
+class LinearSoftCrossEntropy(torch.autograd.Function):
+    """Soft cross-entropy of the logits z = x W^T, fused with the LM head and differentiated in the forward
+    pass, `chunk` rows at a time, so no (M, Vd) logits, log-probabilities or softmax are kept for backward
+    (seven TTT steps of them are most of EAGLE-3's training memory). Per row m, with q = softmax(z_m) and
+    sum_d p_md = 1 (target_p is a distribution over the draft vocabulary):
+        loss     = scale * sum_m -sum_d p_md log q_md
+        dL/dz_m  = scale * (q_m - p_m)                               (c, Vd) per chunk, then dropped
+        dL/dx_m  = dL/dz_m W           dL/dW = sum_m dL/dz_m^T x_m    kept: (M, h) and (Vd, h)
+    backward scales the kept gradients by the incoming scalar gradient. Matmuls run in x's dtype (bf16
+    under autocast), the softmax and the accumulated dL/dW in float32, as the unfused path does."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int):
+        w = weight.to(x.dtype)
+        grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        loss, argmax = x.new_zeros((), dtype=torch.float32), torch.empty(len(x), dtype=torch.long, device=x.device)
+        for start in range(0, len(x), chunk):
+            rows = slice(start, start + chunk)
+            z = (x[rows] @ w.T).float()  # (c, Vd)
+            log_q = torch.log_softmax(z, dim=-1)
+            loss += -(target_p[rows] * log_q).sum()
+            argmax[rows] = z.argmax(-1)
+            dz = (log_q.exp_() - target_p[rows]).mul_(scale)  # (c, Vd) = scale * (q - p)
+            grad_x[rows] = (dz.to(x.dtype) @ w).to(x.dtype)
+            grad_w += (dz.to(x.dtype).T @ x[rows]).float()
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(argmax)
+        return loss * scale, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_argmax):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,
+                              num_positions: int | None = None, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+    """`soft_cross_entropy(x @ weight.T, target_p, ...)` over rows that all count, without the logits tensor.
+    x (M, h) the normed hidden states, weight (Vd, h) the drafter's LM head, target_p (M, Vd), argmax_draft
+    (M,). -> (loss, accuracy, count) as `soft_cross_entropy` returns them (loss = sum / num_positions,
+    default the mean over the M rows)."""
+    count = torch.tensor(len(x), device=x.device)
+    scale = 1.0 / (num_positions if num_positions is not None else max(len(x), 1))
+    if torch.is_autocast_enabled(x.device.type):  # the matmul dtype an autocast nn.Linear would use
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk)
+    accuracy = (argmax == argmax_draft).sum() / count.clamp(min=1)
+    return loss, accuracy, count

@@ -94,6 +94,27 @@ def test_ttt_equals_step_by_step_decoding_with_kv_cache(setup):
                                            atol=1e-5, rtol=0)
 
 
+def test_fused_lm_head_loss_equals_the_logits_path(setup):
+    # ttt_forward's training path fuses the LM head into the soft CE (drafters.losses.linear_soft_cross_entropy);
+    # return_logits=True builds every step's logits and scores them unfused: same losses and gradients
+    model, drafter, features, input_ids, logits, loss_mask = setup
+    embed = model.get_input_embeddings()
+    results = []
+    for return_logits in (True, False):
+        drafter.zero_grad()
+        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=STEPS,
+                                  return_logits=return_logits)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (reference, reference_grads), (fused, fused_grads) = results
+    assert fused.step_logits == [] and reference.loss > 0
+    torch.testing.assert_close(fused.step_losses, reference.step_losses, rtol=1e-5, atol=1e-7)
+    assert torch.equal(fused.step_accuracies, reference.step_accuracies)
+    assert torch.equal(fused.step_counts, reference.step_counts)
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def full_causal_mask(seq_len, step, device=None):  # WRONG: sees every earlier step's keys <= t
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     return torch.cat([causal] * (step + 1), dim=1)

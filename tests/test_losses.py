@@ -1,0 +1,67 @@
+"""drafters.losses: the fused LM-head soft cross-entropy equals the unfused one (loss, accuracy, gradients),
+chunked or not, in float32 and under bf16 autocast; HeadRows equals indexing the full logits."""
+
+import pytest
+import torch
+
+from drafters.losses import HeadRows, linear_soft_cross_entropy, soft_cross_entropy
+
+
+def inputs(rows=37, hidden=16, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    target_p = torch.softmax(3 * torch.randn(rows, vocab, generator=g), -1)
+    argmax_draft = torch.randint(vocab, (rows,), generator=g)
+    argmax_draft[:5] = (x[:5] @ weight.T).argmax(-1)  # some hits, so accuracy is not trivially 0
+    return x, weight, target_p, argmax_draft
+
+
+def unfused(x, weight, target_p, argmax_draft, num_positions=None):
+    ones = torch.ones(len(x), dtype=torch.bool)
+    return soft_cross_entropy(x @ weight.T, target_p, ones, argmax_draft, ones, num_positions=num_positions)
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 1000])
+@pytest.mark.parametrize("num_positions", [None, 100])
+def test_fused_equals_unfused_in_float32(chunk, num_positions):
+    x, weight, target_p, argmax_draft = inputs()
+    expected = unfused(x, weight, target_p, argmax_draft, num_positions)
+    expected[0].backward()
+    grads = x.grad.clone(), weight.grad.clone()
+    x.grad = weight.grad = None
+    got = linear_soft_cross_entropy(x, weight, target_p, argmax_draft, num_positions=num_positions, chunk=chunk)
+    (2.5 * got[0]).backward()  # an incoming gradient other than 1 scales both gradients
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
+    assert got[1] == expected[1] and got[1] > 0 and got[2] == expected[2] == len(x)
+    torch.testing.assert_close(x.grad, 2.5 * grads[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, 2.5 * grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_under_bf16_autocast_matches_the_autocast_linear():
+    x, weight, target_p, argmax_draft = inputs(rows=64, hidden=32, vocab=80)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = unfused(x, weight, target_p, argmax_draft)  # the bf16 matmul nn.Linear would do
+        expected[0].backward()
+        grads = x.grad.clone(), weight.grad.clone()
+        x.grad = weight.grad = None
+        got = linear_soft_cross_entropy(x, weight, target_p, argmax_draft, chunk=16)
+        got[0].backward()
+    assert x.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(x.grad, grads[0], rtol=3e-2, atol=1e-3)
+    torch.testing.assert_close(weight.grad, grads[1], rtol=3e-2, atol=1e-3)
+
+
+def test_no_rows_gives_zero_loss_and_zero_gradients():
+    x, weight, target_p, argmax_draft = inputs(rows=0)
+    loss, accuracy, count = linear_soft_cross_entropy(x, weight, target_p, argmax_draft, num_positions=10)
+    loss.backward()
+    assert loss == 0 and accuracy == 0 and count == 0 and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_head_rows_equals_indexing_the_full_logits():
+    g = torch.Generator().manual_seed(1)
+    hidden, head = torch.randn(2, 5, 8, generator=g), torch.nn.Linear(8, 11, bias=False)
+    mask = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)
+    torch.testing.assert_close(HeadRows(hidden, head)[mask], head(hidden)[mask])
