@@ -254,7 +254,7 @@ class MetricsLog:
             accuracy = [c / max(n, 1) for c, n in zip(stacked["correct"][i], stacked["counted"][i])]
             rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["step_losses"][i],
                          "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
-                         "tokens_per_s": rate, "elapsed_s": now - self.start})
+                         "tokens_per_s": rate, "elapsed_s": now - self.start, "peak_rss_gb": peak_rss_gb()})
             if "correct_top5" in stacked:  # multi-head drafters (train/heads.py): label in the top-5, per head
                 rows[-1]["step_acc_top5"] = [c / max(n, 1) for c, n in zip(stacked["correct_top5"][i],
                                                                           stacked["counted"][i])]
@@ -269,6 +269,13 @@ class MetricsLog:
         self.pending, self.window_start = [], now
         last = rows[-1]
         return f"loss {last['loss']:.3f} acc0 {last['step_acc'][0]:.2f} {rate:.0f} tok/s"
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (Linux reports kB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 class WandbSink:
