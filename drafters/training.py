@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from drafters.checkpoint import CheckpointError, check_target, prune_checkpoints, save_checkpoint, step_checkpoints
 from drafters.data import Example, build_examples, collate
 from drafters.recipe import RecipeError
-from drafters.targets import Target
+from drafters.targets import Target, resolve_precision
 
 
 @dataclass
@@ -61,8 +61,10 @@ class TrainRecipe:
     epochs: int | None = 1
     max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
     seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the target's weights
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
+    # auto = bf16 where the hardware computes it (GPUs, CPUs with avx512_bf16 / AMX), else float32 / no:
+    # emulated bf16 (e.g. an AVX2 CPU) is ~50x slower than float32 (drafters.targets.resolve_precision)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # the target's weights
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
     threads: int = 0  # torch CPU threads; 0 = torch's default
     log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
     save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
@@ -88,7 +90,8 @@ def make_accelerator(recipe, script: str):
     gpu = torch.accelerator.is_available()
     deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, kwargs_handlers=handlers,
+    mixed_precision = resolve_precision("auto", recipe.mixed_precision)[1]
+    accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers,
                               cpu=not gpu and not deepspeed_on_cpu)
     if accelerator.state.deepspeed_plugin is not None:
         if recipe.grad_accum != 1:  # DeepSpeed steps its engine at every backward under our own accumulation
@@ -112,7 +115,9 @@ def start_run(recipe, script: str):
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     accelerator = make_accelerator(recipe, script)
-    target = load_target(recipe.target, dtype=recipe.dtype)
+    dtype, _, precision = resolve_precision(recipe.dtype, recipe.mixed_precision, accelerator.device)
+    accelerator.print(precision)
+    target = load_target(recipe.target, dtype=dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
     resume = resume_checkpoint(recipe, recipe.drafter)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here

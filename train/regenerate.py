@@ -41,7 +41,7 @@ class Recipe:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # auto: bf16 only where native
     threads: int = 0  # torch CPU threads; 0 = torch's default
 
 
