@@ -312,6 +312,33 @@ def _parse_dynamic(arg: str) -> DynamicSpec:
 # ---------------------------------------------------------------- helpers for proposers that sample
 
 
+def merge_trees(tree: Tree, extra: Tree, max_new: int | None = None) -> Tree:
+    """`tree` plus the paths of `extra` (same root token) as a trie: extra node i lands on the node of `tree`
+    with the same parent and token if there is one, else on a new node appended after `tree`'s (parents
+    still precede children). At most `max_new` new nodes (None = all); deterministic drafts only."""
+    if tree.draft_probs is not None or extra.draft_probs is not None:
+        raise ValueError("merge_trees: sampled trees carry draft distributions that a merge would invalidate; "
+                         "merge deterministic (greedy) trees only")
+    if int(tree.tokens[0]) != int(extra.tokens[0]):
+        raise ValueError(f"merge_trees: roots differ ({int(tree.tokens[0])} vs {int(extra.tokens[0])})")
+    tokens, parents = tree.tokens.tolist(), tree.parent_list.copy()
+    node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}  # (parent, token) -> node
+    where, extra_tokens = {0: 0}, extra.tokens.tolist()  # extra node -> merged node
+    for i, p in enumerate(extra.parent_list[1:], start=1):
+        if p not in where:
+            continue  # its parent was cut by max_new
+        key = (where[p], extra_tokens[i])
+        if key not in node_of:
+            if max_new is not None and len(tokens) - tree.num_nodes >= max_new:
+                continue
+            node_of[key] = len(tokens)
+            tokens.append(key[1])
+            parents.append(key[0])
+        where[i] = node_of[key]
+    return Tree(torch.tensor(tokens, dtype=torch.long, device=tree.tokens.device),
+                torch.tensor(parents, dtype=torch.long, device=tree.tokens.device))
+
+
 def with_draft_probs(tree: Tree, probs: dict[int, Tensor]) -> Tree:
     # draft_probs row i = q of node i's parent (row 0 unused). Nodes q cannot draw (its support ran
     # out before the shape's siblings did: they come last among their siblings) go, with their

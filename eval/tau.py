@@ -58,7 +58,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
     p.add_argument("--proposer", required=True,
-                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory")
+                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory | "
+                        "DIR+prompt-lookup (the drafter's tree plus lookup continuations, greedy)")
     p.add_argument("--bench", required=True, help="mt_bench | humaneval | path to a JSONL file")
     p.add_argument("--tree", default="chain:4", help="chain:K | static:... | dynamic:total=,depth=,topk=")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -112,6 +113,8 @@ def main(argv=None) -> dict:
         proposer = load_proposer(args.proposer, target, tree)
         if args.adaptive:
             proposer = AdaptiveChain(proposer)
+        if getattr(proposer, "greedy_only", False) and args.temperature > 0:
+            raise ValueError(f"--proposer {args.proposer}: verifies greedily only; use --temperature 0")
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"tau: {error}") from None
     run = Run()

@@ -5,6 +5,8 @@ Specs:
   draft-model:<target name or path>         a smaller LM sharing the target's tokenizer
   <directory>                               a trained drafter checkpoint: native (drafter.json,
                                             drafters.checkpoint) or exported (config.json)
+  <directory>+prompt-lookup[:options]       the drafter's tree plus one prompt-lookup continuation as
+                                            deep as the tree, verified together (greedy only)
 
 The tree spec decides the draft shape. Prompt lookup maps it onto (depth, branches, node cap):
 chain:K -> (K, 1, K); dynamic:total,depth,topk -> (depth, topk, total); static -> (max depth,
@@ -22,11 +24,12 @@ from drafters.proposers.draft_model import DraftModelProposer
 from drafters.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
 from drafters.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
 from drafters.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
+from drafters.proposers.hybrid import HybridProposer
 from drafters.proposers.prompt_lookup import PromptLookupProposer
 from drafters.tree import ChainSpec, DynamicSpec, TreeSpec
 
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
-                  "<drafter checkpoint directory>")
+                  "<drafter checkpoint directory>", "<drafter directory>+prompt-lookup[:options]")
 # Trained drafters register here, one entry per family (EAGLE-1, Medusa, Blockwise to come):
 # native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
 # match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
@@ -47,6 +50,9 @@ CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
 
 
 def load_proposer(spec: str, target, tree: TreeSpec):
+    if "+prompt-lookup" in spec:  # DRAFTER+prompt-lookup[:options]: lookup continuations as extra branches
+        drafter, _, lookup = spec.partition("+")
+        return _hybrid(load_proposer(drafter, target, tree), lookup.partition(":")[2], target, tree)
     name, _, arg = spec.partition(":")
     if name == "prompt-lookup":
         return _prompt_lookup(arg, target, tree)
@@ -92,6 +98,12 @@ def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
         branches = sum(1 for i in range(tree.shape.num_nodes) if i not in tree.shape.parents)
     return PromptLookupProposer(depth=tree_depth(tree), branches=branches, max_nodes=tree_budget(tree),
                                 eos_token_ids=target.eos_token_ids, **options)
+
+
+def _hybrid(drafter, lookup_options: str, target, tree: TreeSpec) -> HybridProposer:
+    # one lookup continuation as deep as the tree (at most tree_depth nodes more to verify per round)
+    lookup = _prompt_lookup(lookup_options, target, ChainSpec(tree_depth(tree)))
+    return HybridProposer(drafter, lookup, max_lookup_nodes=tree_depth(tree))
 
 
 def _draft_model(name: str, target, tree: TreeSpec) -> DraftModelProposer:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from drafters.proposers import PROPOSERS, TargetNeeds
-from drafters.tree import Tree
+from drafters.tree import Tree, merge_trees
 
 MAX_MATCHES_PER_NGRAM = 64  # matches examined per n-gram size, best first
 
@@ -65,23 +65,11 @@ def _cut_after_eos(tokens: list[int], eos_token_ids: frozenset[int]) -> list[int
 
 def trie_tree(root: int, continuations: list[list[int]], max_nodes: int | None = None) -> Tree:
     """Merge continuations into one tree rooted at `root`; at most `max_nodes` nodes besides it."""
-    tokens, parents = [root], [-1]
-    child_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tree = Tree.chain(torch.tensor([root]))
     for continuation in continuations:
-        node = 0
-        for token in continuation:
-            if (node, token) not in child_of:
-                if max_nodes is not None and len(tokens) - 1 >= max_nodes:
-                    break
-                child_of[(node, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
-            node = child_of[(node, token)]
-    return Tree(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        parents=torch.tensor(parents, dtype=torch.long),
-        draft_probs=None,
-    )
+        room = None if max_nodes is None else max_nodes - (tree.num_nodes - 1)
+        tree = merge_trees(tree, Tree.chain(torch.tensor([root, *continuation])), room)
+    return tree
 
 
 class PromptLookupProposer:

@@ -1,0 +1,85 @@
+"""merge_trees and the hybrid proposer (a drafter's tree + prompt-lookup branches, verified together):
+the merged tree holds both trees' paths once; its greedy acceptance is the better of the two on every
+round; decoding stays equal to generate; sampling is refused."""
+
+import pytest
+import torch
+
+from drafters.decoding import speculative_generate, verify_greedy
+from drafters.proposers.loading import load_proposer
+from drafters.sampling import SamplingConfig
+from drafters.tree import Tree, merge_trees, parse_tree_spec
+from test_eagle_proposer import NEW, PROMPT, setup  # noqa: F401  (the trained tiny EAGLE-3 drafter fixture)
+
+
+def tree(tokens, parents):
+    return Tree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def paths(t: Tree) -> set[tuple[int, ...]]:  # token paths from the root to every node
+    tokens = t.tokens.tolist()
+    return {tuple(tokens[n] for n in t.path_to(i)) for i in range(t.num_nodes)}
+
+
+def test_merge_shares_common_prefixes_and_appends_the_rest():
+    a = tree([9, 1, 2, 3], [-1, 0, 0, 1])  # 9 -> 1 -> 3, 9 -> 2
+    b = Tree.chain(torch.tensor([9, 1, 3, 4, 5]))  # shares 9 -> 1 -> 3, then adds 4, 5
+    merged = merge_trees(a, b)
+    assert merged.tokens.tolist() == [9, 1, 2, 3, 4, 5] and merged.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert paths(merged) == paths(a) | paths(b)
+    capped = merge_trees(a, b, max_new=1)  # only 4 fits: 5 has lost its parent
+    assert capped.tokens.tolist() == [9, 1, 2, 3, 4]
+    assert merge_trees(a, Tree.chain(torch.tensor([9, 2]))).num_nodes == a.num_nodes  # nothing new
+
+
+def test_merge_refuses_other_roots_and_sampled_trees():
+    with pytest.raises(ValueError, match="roots differ"):
+        merge_trees(Tree.chain(torch.tensor([1, 2])), Tree.chain(torch.tensor([3, 4])))
+    sampled = Tree.chain(torch.tensor([1, 2]), draft_probs=torch.full((2, 5), 0.2))
+    with pytest.raises(ValueError, match="deterministic"):
+        merge_trees(sampled, Tree.chain(torch.tensor([1, 2])))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_acceptance_of_the_merge_is_the_better_of_the_two(seed):
+    # random trees and random target logits per node: verify_greedy follows the target's argmax child,
+    # so on the merged tree it accepts the longer of the two trees' accepted paths, never less
+    g = torch.Generator().manual_seed(seed)
+    vocab = 8  # more than the most children a node can have here, so siblings can always differ
+
+    def random_tree(n):
+        parents = [-1] + [int(torch.randint(i, (1,), generator=g)) for i in range(1, n)]
+        tokens = [0] + torch.randint(vocab, (n - 1,), generator=g).tolist()
+        seen = set()
+        for i in range(1, n):  # siblings need distinct tokens
+            while (parents[i], tokens[i]) in seen:
+                tokens[i] = (tokens[i] + 1) % vocab
+            seen.add((parents[i], tokens[i]))
+        return tree(tokens, parents)
+
+    a, b = random_tree(6), random_tree(5)
+    argmax_after = {}  # token path -> the target's greedy next token there (the same for every tree)
+
+    def accepted(t: Tree) -> int:
+        tokens = t.tokens.tolist()
+        logits = torch.zeros(t.num_nodes, vocab)
+        for i in range(t.num_nodes):
+            key = tuple(tokens[n] for n in t.path_to(i))
+            nxt = argmax_after.setdefault(key, int(torch.randint(vocab, (1,), generator=g)))
+            logits[i, nxt] = 1.0
+        return len(verify_greedy(t, logits)[0]) - 1
+
+    assert accepted(merge_trees(a, b)) == max(accepted(a), accepted(b))
+
+
+def test_hybrid_decoding_equals_generate_and_refuses_sampling(setup):  # noqa: F811
+    target, references, path = setup
+    spec = parse_tree_spec("dynamic:total=8,depth=4,topk=3")
+    proposer = load_proposer(f"{path}+prompt-lookup", target, spec)
+    for row in range(2):
+        prompt = references[row, :PROMPT]
+        out, stats = speculative_generate(target, proposer, prompt, max_new_tokens=NEW)
+        assert out.tolist() == references[row, :PROMPT + NEW].tolist()
+        assert max(stats.tree_sizes) <= 1 + 8 + 4  # the drafter's budget + one lookup branch of the depth
+    with pytest.raises(ValueError, match="greedily only"):
+        proposer.propose(references[0, :PROMPT - 1], int(references[0, PROMPT - 1]), SamplingConfig(temperature=1.0))
