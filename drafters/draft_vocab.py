@@ -1,6 +1,6 @@
 """Reduced draft vocabulary for EAGLE-3: which target ids the drafter's LM head can emit.
 
-Convention (DESIGN.md, read by SGLang / vLLM / SpecForge checkpoints): the N kept target ids
+Convention (docs/conventions.md, read by SGLang / vLLM / SpecForge checkpoints): the N kept target ids
 `used` are sorted ascending; draft id i stands for target id `used[i]`;
     d2t[i] = used[i] - i   (int64, (N,))     target id = draft id + d2t[draft id]
     t2d[v] = v in used     (bool,  (V,))

@@ -2,7 +2,7 @@
 one Llama decoder layer without its input norm, the target's frozen output head; drafted step by step on
 its own predicted features with its own KV cache.
 
-Alignment (DESIGN.md): position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}; the target's
+Alignment (docs/conventions.md): position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}; the target's
 head on that feature gives the distribution of token_{t+2}. Labels are the target's row t+1: its
 feature and its logits (the target's distribution over token t+2).
 

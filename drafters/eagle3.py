@@ -7,7 +7,7 @@ drafter), the target logits that serve as labels, and for tree drafting a 4D mas
 Module names are those of SGLang / the official EAGLE-3 checkpoints (`fc`, `midlayer.*`, `norm`,
 `lm_head`, `d2t`, `t2d`), so export is a rename at most.
 
-Alignment (DESIGN.md): the drafter at position t sees feature_t and token_{t+1} and predicts
+Alignment (docs/conventions.md): the drafter at position t sees feature_t and token_{t+1} and predicts
 token_{t+2}. Its label is the target's row t+1 (the target's logits at t+1 predict token t+2).
 """
 

@@ -1,6 +1,6 @@
 """Independent reader for exported EAGLE-3 drafters (sglang / vllm / native layouts).
 
-It reloads an export directory as the documented formats describe it (DESIGN.md "Export
+It reloads an export directory as the documented formats describe it (docs/conventions.md "Export
 formats", and what SGLang's llama_eagle3.py / vLLM's speculators reader actually read), checks
 every config field and its type, every tensor name, shape (derived from the config alone) and
 dtype, and that nothing unexpected is there; then it rebuilds an `Eagle3Drafter` from the files by

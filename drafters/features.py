@@ -59,7 +59,7 @@ DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; 
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")
 STORED_VALUES = ("features", "label_hidden")  # per-token tensors a shard may hold, besides tokens and masks
-LAYER_SPECS = {  # eagle1.feature -> what `features` holds, in words (HF hidden_states indices, DESIGN.md)
+LAYER_SPECS = {  # eagle1.feature -> what `features` holds, in words (HF hidden_states indices, docs/conventions.md)
     "pre_norm": "output of the last decoder layer before the final norm (input of the final norm)",
     "normed": "hidden_states[L]: the final-normed last hidden state",
 }

@@ -1,6 +1,6 @@
 """EAGLE proposer: a trained EAGLE drafter drafts the decoder's tree from the target's features.
 
-Alignment (DESIGN.md): drafter position t reads (feature_t, token_{t+1}) and predicts token_{t+2}.
+Alignment (docs/conventions.md): drafter position t reads (feature_t, token_{t+1}) and predicts token_{t+2}.
 The drafter cache holds one slot per committed pair, slot = RoPE position. After a target prefill
 of T tokens the pairs t = 0..T-2 are known; feature T-1 waits for its next token, the pending one,
 which arrives with `propose` (the "root pair", slot T-1; its logits rank the root's children).
