@@ -25,8 +25,6 @@ the source checkpoint's, and only then renames the directory into place.
 
 import json
 import re
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +33,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
-from drafters.export import DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult
+from drafters.export import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
+                             exported_files, write_staged)
 from drafters.export_check import ExportCheckError
 from drafters.medusa import MedusaConfig, MedusaHeads
 
@@ -77,8 +76,7 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose another --out")
+    check_out_dir(out_dir, ckpt_dir, overwrite)
     try:
         ckpt = load_checkpoint(ckpt_dir)
     except CheckpointError as err:
@@ -105,19 +103,17 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
     tree = (ckpt.extra.get("tree") or {}).get("paths")
     if tree:
         files["medusa_choices"] = tree  # the calibrated tree (Medusa's name for a tree's rank paths)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
-    try:
-        payload = staging / "export"
+
+    def write(payload: Path) -> MedusaCheckReport:
         payload.mkdir()
         save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})
         (payload / CONFIG_FILE).write_text(json.dumps(files, indent=2) + "\n")
-        report = check_medusa_export(payload, target=expected, reference=ckpt)
-        _move_into_place(payload, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return check_medusa_export(payload, target=expected, reference=ckpt)
+
+    report = write_staged(out_dir, ckpt_dir, "medusa", write, overwrite)
     report.path = out_dir
     return ExportResult(path=out_dir, fmt="medusa", dtype=dtype, config=files, check=report,
-                        files=sorted(p.name for p in out_dir.iterdir()))
+                        files=exported_files(out_dir))
 
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
@@ -148,21 +144,6 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
     if problems:
         raise ExportError(f"refusing to export {ckpt.path} to medusa:\n  - " + "\n  - ".join(problems))
     return expected, config
-
-
-def _parent(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.parent
-
-
-def _move_into_place(payload: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # --overwrite: move the old one aside so a reader never sees neither
-        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
-        out_dir.rename(old)
-        payload.rename(out_dir)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        payload.rename(out_dir)
 
 
 # ---- independent reader ---------------------------------------------------------------------------

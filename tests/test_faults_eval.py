@@ -1,0 +1,73 @@
+"""Issue 13, "nothing lost, nothing silently wrong", for export and evaluation: every test here
+failed on the code before its fix (a deleted run, a reused stale tau, a NaN that validated, a
+traceback instead of a counted skip)."""
+
+import json
+
+import pytest
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.export import ExportError, export_checkpoint
+from drafters.targets import load_target
+from test_export import save_eagle3
+
+export_main = load_script("eval/export.py").main
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("tiny-random-llama")
+
+
+@pytest.fixture()
+def run_dir(tmp_path, target):
+    # what a training run leaves: step checkpoints, the final one, metrics
+    run = tmp_path / "run"
+    save_eagle3(run / "checkpoint-10", target)
+    save_eagle3(run / "checkpoint-final", target)
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n')
+    return run
+
+
+def listing(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+# ---- 1. --overwrite never deletes what the export did not write --------------------------------
+
+def test_overwrite_refuses_the_run_holding_the_checkpoint(run_dir, capsys):
+    before = listing(run_dir)
+    code = export_main([str(run_dir / "checkpoint-final"), "--format", "sglang", "--out", str(run_dir),
+                        "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert listing(run_dir) == before  # every checkpoint and the metrics still there
+    assert f"refusing to replace {run_dir} (--overwrite)" in err
+    assert f"it is or contains the source checkpoint {run_dir / 'checkpoint-final'}" in err
+    assert ("(a training run or checkpoint): checkpoint-10/, checkpoint-final/, metrics.jsonl" in err)
+    assert not [p for p in run_dir.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_overwrite_refuses_the_checkpoint_itself_and_foreign_files(run_dir, tmp_path):
+    ckpt = run_dir / "checkpoint-final"
+    with pytest.raises(ExportError, match="is or contains the source checkpoint"):
+        export_checkpoint(ckpt, "native", ckpt, overwrite=True)
+    other = tmp_path / "model"  # a directory export did not write, e.g. a Hugging Face model
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"holds 1 entries no export wrote: config.json"):
+        export_checkpoint(ckpt, "sglang", other, overwrite=True)
+    assert (other / "config.json").read_text() == "{}"
+
+
+def test_overwrite_replaces_an_earlier_export_but_not_files_added_to_it(run_dir, tmp_path):
+    ckpt, out = run_dir / "checkpoint-final", tmp_path / "export"
+    export_checkpoint(ckpt, "sglang", out)
+    assert json.loads((out / ".drafters-export.json").read_text())["files"] == ["config.json", "model.safetensors"]
+    result = export_checkpoint(ckpt, "vllm", out, overwrite=True)  # an earlier export: replaced
+    assert result.files == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="no export wrote: notes.txt"):
+        export_checkpoint(ckpt, "sglang", out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
