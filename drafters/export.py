@@ -99,10 +99,7 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
         raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
-    try:
-        ckpt = load_checkpoint(ckpt_dir)
-    except CheckpointError as err:
-        raise ExportError(str(err)) from None
+    ckpt = load_source(ckpt_dir)
     expected = preflight(ckpt, fmt, target)
     state = cast_floats(ckpt.state_dict, DTYPES[dtype])
 
@@ -117,6 +114,18 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
 
 
 # ---- refusals: everything here runs before a byte is written ---------------------------------
+
+def load_source(ckpt_dir) -> Checkpoint:
+    """The checkpoint to export; refused if unreadable or holding NaN / inf weights."""
+    from drafters.export_check import check_finite
+
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    check_finite(ckpt.state_dict, Path(ckpt_dir) / WEIGHTS_FILE)
+    return ckpt
+
 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
     """-> the target facts to export against (target_info fields). Raises ExportError."""

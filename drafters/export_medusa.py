@@ -32,10 +32,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.export import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
-                             exported_files, write_staged)
-from drafters.export_check import ExportCheckError
+                             exported_files, load_source, write_staged)
+from drafters.export_check import ExportCheckError, check_finite
 from drafters.medusa import MedusaConfig, MedusaHeads
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "medusa_lm_head.safetensors"
@@ -77,10 +77,7 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
         raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
-    try:
-        ckpt = load_checkpoint(ckpt_dir)
-    except CheckpointError as err:
-        raise ExportError(str(err)) from None
+    ckpt = load_source(ckpt_dir)
     expected, config = preflight(ckpt, target)
     name = expected.get("name") or ""
     base = base_model or BASE_MODEL_IDS.get(name, name)
@@ -160,6 +157,7 @@ def read_medusa_export(path, *, target: dict | None = None) -> tuple[MedusaConfi
     config = _read_config(path / CONFIG_FILE)
     where = str(path / WEIGHTS_FILE)
     tensors = _read_tensors(path / WEIGHTS_FILE)
+    check_finite(tensors, where)
     K, n = config["medusa_num_heads"], config["medusa_num_layers"]
     blocks, heads, unknown = {}, {}, []
     for key, value in tensors.items():
@@ -232,7 +230,7 @@ def check_medusa_export(path, *, target: dict | None = None, reference: Checkpoi
                       - source.project(source.states(x, [k])[:, 0], k, lm_head)).abs().max()
                      for k in range(config.num_heads)]
         diff = float(max(diffs))
-        if diff > 1e-4:
+        if not diff <= 1e-4:  # NaN fails too
             raise MedusaExportError(f"{path}: rebuilt heads differ from the source checkpoint: max |logit diff| {diff}")
     return MedusaCheckReport(Path(path), config.num_heads, config.num_layers, config.share_lm_head,
                              str(dtype).removeprefix("torch."), len(state), diff)

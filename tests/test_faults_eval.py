@@ -5,11 +5,16 @@ traceback instead of a counted skip)."""
 import json
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.checkpoint import load_checkpoint, target_info
 from drafters.export import ExportError, export_checkpoint
+from drafters.export_check import ExportCheckError, check_export
+from drafters.export_medusa import read_medusa_export
 from drafters.targets import load_target
 from test_export import save_eagle3
+from test_medusa import medusa_checkpoint
 
 export_main = load_script("eval/export.py").main
 
@@ -71,3 +76,34 @@ def test_overwrite_replaces_an_earlier_export_but_not_files_added_to_it(run_dir,
     with pytest.raises(ExportError, match="no export wrote: notes.txt"):
         export_checkpoint(ckpt, "sglang", out, overwrite=True)
     assert (out / "notes.txt").read_text() == "mine"
+
+
+# ---- 3. validation that passed garbage -----------------------------------------------------------
+
+def with_nan(path, name):
+    # one NaN written into tensor `name` of the safetensors file at path
+    tensors = load_file(path)
+    tensors[name][0].view(-1)[0] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_nan_weight_is_refused_by_the_export_naming_the_tensor(run_dir, tmp_path, target):
+    ckpt = run_dir / "checkpoint-final"
+    with_nan(ckpt / "model.safetensors", "fc.weight")
+    for fmt in ("sglang", "native"):  # used to validate with "max |logit diff| nan"
+        with pytest.raises(ExportCheckError, match=r"non-finite weights \(NaN or inf\) in fc.weight \(1 of"):
+            export_checkpoint(ckpt, fmt, tmp_path / fmt, target=target)
+        assert not (tmp_path / fmt).exists()
+
+
+def test_the_independent_readers_refuse_a_nan_weight(run_dir, tmp_path, target):
+    ckpt = run_dir / "checkpoint-final"
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", target=target).path
+    with_nan(out / "model.safetensors", "layers.0.mlp.up_proj.weight")
+    with pytest.raises(ExportCheckError, match="non-finite weights .* in layers.0.mlp.up_proj.weight"):
+        check_export(out, "vllm", target=target_info(target), reference=load_checkpoint(ckpt))
+    medusa_checkpoint(tmp_path / "medusa", target)
+    out = export_checkpoint(tmp_path / "medusa", "medusa", tmp_path / "medusa-out", target=target).path
+    with_nan(out / "medusa_lm_head.safetensors", "0.0.linear.weight")
+    with pytest.raises(ExportCheckError, match=r"non-finite weights .* in 0.0.linear.weight"):
+        read_medusa_export(out, target=target_info(target))
