@@ -3,6 +3,7 @@ failed on the code before its fix (a deleted run, a reused stale tau, a NaN that
 traceback instead of a counted skip)."""
 
 import json
+import re
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -13,6 +14,7 @@ from drafters.export import ExportError, export_checkpoint
 from drafters.export_check import ExportCheckError, check_export
 from drafters.export_medusa import read_medusa_export
 from drafters.targets import load_target
+from drafters.tree import DynamicSpec, parse_tree_spec
 from test_export import save_eagle3
 from test_medusa import medusa_checkpoint
 
@@ -107,3 +109,17 @@ def test_the_independent_readers_refuse_a_nan_weight(run_dir, tmp_path, target):
     with_nan(out / "medusa_lm_head.safetensors", "0.0.linear.weight")
     with pytest.raises(ExportCheckError, match=r"non-finite weights .* in 0.0.linear.weight"):
         read_medusa_export(out, target=target_info(target))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("dynamic:total=8,depth=3", "missing topk: a dynamic tree needs all of total, depth, topk"),
+    ("dynamic:depth=3", "missing total, topk"),
+    ("dynamic:", "missing total, depth, topk"),
+    ("dynamic:total=8,depth=3,topk=2,width=4", "bad field 'width=4': expected each of total=N, depth=N, topk=N"),
+    ("dynamic:total=8,depth=3,topk=2,topk=4", "bad field 'topk=4'"),
+])
+def test_a_dynamic_tree_spec_needs_every_key_once(spec, message):
+    # dynamic:total=8,depth=3 used to take topk=10 and spend all 8 nodes at depth 1
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_tree_spec(spec)
+    assert parse_tree_spec("dynamic:topk=2,total=8,depth=3") == DynamicSpec(total=8, depth=3, topk=2)

@@ -78,7 +78,7 @@ def test_formula_helpers():
     (["--proposer", "medusa-ish"], "unknown proposer 'medusa-ish'"),
     (["--tree", "chain:zero"], "bad tree spec 'chain:zero'"),
     (["--temperature", "-0.5"], "--temperature must be >= 0"),
-    (["--tree", "dynamic:total=8", "--adaptive"], "--adaptive needs a chain"),
+    (["--tree", "dynamic:total=8,depth=3,topk=2", "--adaptive"], "--adaptive needs a chain"),
     (["--target", "no-such-target"], "unknown target 'no-such-target'"),
     (["--proposer", "draft-model:"], "draft-model needs a model"),
 ])
