@@ -13,6 +13,7 @@ from drafters.checkpoint import load_checkpoint, target_info
 from drafters.export import ExportError, export_checkpoint
 from drafters.export_check import ExportCheckError, check_export
 from drafters.export_medusa import read_medusa_export
+from drafters.proposers.loading import load_proposer
 from drafters.targets import load_target
 from drafters.tree import DynamicSpec, parse_tree_spec
 from test_export import save_eagle3
@@ -123,3 +124,34 @@ def test_a_dynamic_tree_spec_needs_every_key_once(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_tree_spec(spec)
     assert parse_tree_spec("dynamic:topk=2,total=8,depth=3") == DynamicSpec(total=8, depth=3, topk=2)
+
+
+def test_an_export_for_another_target_is_refused_listing_what_differs(tmp_path, target):
+    # tiny gemma3 and tiny llama agree on hidden size, vocabulary and context: only what the export
+    # records about its verifier / base model tells them apart (it used to be measured: tau 1.000)
+    gemma = load_target("tiny-random-gemma3")
+    save_eagle3(tmp_path / "eagle3", gemma)
+    medusa_checkpoint(tmp_path / "medusa", gemma)
+    for fmt, source in (("vllm", "eagle3"), ("medusa", "medusa")):
+        out = export_checkpoint(tmp_path / source, fmt, tmp_path / f"{fmt}-out", target=gemma).path
+        load_proposer(str(out), gemma, parse_tree_spec("chain:2"))  # its own target: fine
+        with pytest.raises(ValueError, match="verifier / base model 'tiny-random-gemma3' is not 'tiny-random-llama'"):
+            load_proposer(str(out), target, parse_tree_spec("chain:2"))
+    config = json.loads((tmp_path / "vllm-out" / "config.json").read_text())
+    config["transformer_layer_config"]["vocab_size"] = 49152
+    config["target_hidden_size"], config["draft_vocab_size"] = 128, 50000
+    (tmp_path / "vllm-out" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as refused:
+        load_proposer(str(tmp_path / "vllm-out"), target, parse_tree_spec("chain:2"))
+    for problem in ("hidden_size: checkpoint 128 vs target 64", "vocab_size: checkpoint 49152 vs target 259",
+                    "draft_vocab_size 50000 is not in 1..259", "verifier / base model 'tiny-random-gemma3'"):
+        assert problem in str(refused.value)  # every mismatch listed, not the first one only
+
+
+def test_a_hub_id_or_local_copy_of_the_target_counts_as_the_same_verifier():
+    from drafters.proposers.loading import _same_model
+
+    assert _same_model("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct")
+    assert _same_model("google/gemma-3-270m", "gemma3-270m")
+    assert _same_model("meta-llama/Llama-3.1-8B-Instruct", "/models/Llama-3.1-8B-Instruct-Q4_K_M.gguf")
+    assert not _same_model("tiny-random-gemma3", "tiny-random-llama")
