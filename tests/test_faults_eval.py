@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint, target_info
+from drafters.data import DataError, load_conversations
 from drafters.export import ExportError, export_checkpoint
 from drafters.export_check import ExportCheckError, check_export
 from drafters.export_medusa import read_medusa_export
@@ -155,3 +156,31 @@ def test_a_hub_id_or_local_copy_of_the_target_counts_as_the_same_verifier():
     assert _same_model("google/gemma-3-270m", "gemma3-270m")
     assert _same_model("meta-llama/Llama-3.1-8B-Instruct", "/models/Llama-3.1-8B-Instruct-Q4_K_M.gguf")
     assert not _same_model("tiny-random-gemma3", "tiny-random-llama")
+
+
+# ---- 4. a message or a counted skip, never a traceback ----------------------------------------------
+
+def chat_row(answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json list"])
+def test_a_non_utf8_byte_skips_only_its_row_with_file_and_row(tmp_path, layout):
+    rows = [json.dumps(chat_row(a)).encode() for a in ("one", "caf\xe9", "three")]
+    rows[1] = rows[1].replace(b"\\u00e9", b"\xe9")  # latin-1 e-acute: not UTF-8
+    path = tmp_path / ("d.jsonl" if layout == "jsonl" else "d.json")
+    path.write_bytes(b"\n".join(rows) + b"\n" if layout == "jsonl" else b"[" + b",\n".join(rows) + b"]")
+    conversations, report = load_conversations(str(path))  # used to raise UnicodeDecodeError
+    assert [c.messages[1]["content"] for c in conversations] == ["one", "three"]
+    assert report.skipped == {"not UTF-8": 1}
+    assert report.examples["not UTF-8"][0].startswith(f"{path}:2: byte 0xe9 at character ")
+
+
+def test_a_junk_folder_as_data_path_names_the_path_and_the_accepted_forms(tmp_path):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.bin").write_bytes(bytes(range(256)))
+    (junk / "state.json").write_text("{not json")  # looks like save_to_disk, is not
+    with pytest.raises(DataError, match=f"{junk} is a folder but not a readable `datasets` save_to_disk folder"
+                                        r".*\.jsonl file, a save_to_disk folder"):
+        load_conversations(str(junk))
