@@ -96,7 +96,7 @@ def test_checkpoint_for_another_target_is_refused(bench, tmp_path):
     checkpoint = tmp_path / "drafter"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
-    with pytest.raises(SystemExit, match="hidden size 576"):
+    with pytest.raises(SystemExit, match="hidden_size: checkpoint 576 vs target 64"):
         run(bench, tmp_path / "out.json", "--proposer", str(checkpoint))
     assert not (tmp_path / "out.json").exists()
 
