@@ -34,7 +34,7 @@ def run_dir(tmp_path, target):
     run = tmp_path / "run"
     save_eagle3(run / "checkpoint-10", target)
     save_eagle3(run / "checkpoint-final", target)
-    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n')
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0, "step_acc": [0.5]}\n')
     return run
 
 
@@ -184,3 +184,61 @@ def test_a_junk_folder_as_data_path_names_the_path_and_the_accepted_forms(tmp_pa
     with pytest.raises(DataError, match=f"{junk} is a folder but not a readable `datasets` save_to_disk folder"
                                         r".*\.jsonl file, a save_to_disk folder"):
         load_conversations(str(junk))
+
+
+# ---- 2. caches and merges trust contents, not names --------------------------------------------------
+
+tau = load_script("eval/tau.py")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    # prompt-lookup shard reports of one 3-item bench: 0/2, 1/2, 1/3, and 1/2 with another --limit
+    root = tmp_path_factory.mktemp("shards")
+    bench = root / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc abc", "hello hello", "xyz xyz")))
+
+    def shard(name, spec, limit="3"):
+        tau.main(["--target", "tiny-random-llama", "--bench", str(bench), "--limit", limit, "--max-new-tokens", "8",
+                  "--threads", "1", "--proposer", "prompt-lookup", "--tree", "chain:3", "--no-baseline",
+                  "--shard", spec, "--json", str(root / name)])
+        return str(root / name)
+
+    return {"0/2": shard("a.json", "0/2"), "1/2": shard("b.json", "1/2"), "1/3": shard("c.json", "1/3"),
+            "1/2 limit 2": shard("d.json", "1/2", limit="2")}
+
+
+@pytest.mark.parametrize("names, message", [
+    (["0/2", "0/2"], r"shard given more than once: 0/2 \(.*a.json, .*a.json\)"),
+    (["0/2"], "missing shard 1/2 of 2: run it with --shard and merge all 2"),
+    (["0/2", "1/3"], "the shards split the bench in different ways: N=2: "),
+    (["0/2", "1/2 limit 2"], "is not a shard of the same run as .*: limit: 2 vs 3"),
+])
+def test_merge_refuses_anything_but_every_shard_of_one_run_once(shards, names, message):
+    with pytest.raises(SystemExit, match=message):
+        tau.main(["--merge", *[shards[n] for n in names]])
+    assert tau.main(["--merge", shards["0/2"], shards["1/2"]])["num_prompts"] == 3  # the complete set merges
+
+
+def test_merge_refuses_shards_of_a_changed_drafter(shards, tmp_path):
+    changed = json.loads(open(shards["1/2"]).read())
+    changed["proposer_sha256"] = "0" * 64  # same proposer path, other files
+    (tmp_path / "b.json").write_text(json.dumps(changed))
+    with pytest.raises(SystemExit, match="proposer_sha256: '0000"):
+        tau.main(["--merge", shards["0/2"], str(tmp_path / "b.json")])
+
+
+def test_compare_reruns_a_drafter_whose_files_changed_at_the_same_path(run_dir, tmp_path, capsys):
+    compare = load_script("eval/compare.py")
+    ckpt = run_dir / "checkpoint-final"
+    argv = ["--target", "tiny-random-llama", "--drafters", str(ckpt), "--bench", "tests/data/tiny_prompts.jsonl",
+            "--tree", "chain:2", "--limit", "1", "--max-new-tokens", "8", "--threads", "1", "--no-speed",
+            "--out", str(tmp_path / "report")]
+    compare.main(argv)
+    compare.main(argv)
+    assert capsys.readouterr().out.count("compare: reusing") == 1  # unchanged: reused
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["fc.weight"] *= 2  # retrained in place: same path, other weights
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    compare.main(argv)
+    assert "compare: reusing" not in capsys.readouterr().out  # used to reuse the stale tau

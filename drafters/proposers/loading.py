@@ -18,6 +18,7 @@ from typing import Callable
 
 from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
+from drafters.hashing import dir_sha256
 from drafters.proposers import PROPOSERS
 from drafters.proposers.draft_model import DraftModelProposer
 from drafters.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
@@ -59,6 +60,18 @@ def load_proposer(spec: str, target, tree: TreeSpec):
         return load_checkpoint(Path(spec), target, tree)
     raise ValueError(f"unknown proposer {spec!r}: use one of {', '.join(PROPOSER_SPECS)} "
                      f"(registered names: {', '.join(sorted(PROPOSERS))})")
+
+
+def proposer_sha256(spec: str) -> str | None:
+    """Content of a drafter directory (its top-level .json and .safetensors files): what a cached or
+    merged result must agree on, since a checkpoint can change under the same path. None for a
+    named proposer (prompt-lookup, draft-model:...)."""
+    path = Path(spec)
+    if not path.is_dir():
+        return None
+    names = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
+             and p.suffix in (".json", ".safetensors")]
+    return dir_sha256(path, names)
 
 
 def tree_budget(tree: TreeSpec) -> int:
