@@ -153,7 +153,9 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
     if not path.endswith(LOCAL_SUFFIXES):
         raise DataError(f"{path}: unsupported file type; give a .json (list of rows) or .jsonl "
                         "file, a `datasets` save_to_disk folder, or a Hugging Face dataset name")
-    with open(path, encoding="utf-8") as f:
+    # surrogateescape: a byte that is not UTF-8 becomes one stand-in character, so only its row is
+    # skipped (below) instead of the whole read failing
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         head = f.read(4096).lstrip()
         f.seek(0)
         if head.startswith("["):  # one JSON list of rows; anything else is read as JSON lines
@@ -162,22 +164,40 @@ def _file_rows(path: str) -> Iterator[tuple[int, Any]]:
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}: not valid JSON ({err}); fix the file, or write one "
                                 "JSON object per line (.jsonl) so bad rows can be skipped") from err
-            yield from enumerate(rows, 1)
+            for number, row in enumerate(rows, 1):
+                yield number, _not_utf8(json.dumps(row, ensure_ascii=False)) or row
             return
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield line_number, json.loads(line)
+                yield line_number, _not_utf8(line) or json.loads(line)
             except json.JSONDecodeError as err:
                 detail = f"{err.msg} at column {err.colno}"
                 yield line_number, RowError("malformed JSON line", detail)
 
 
+NOT_UTF8 = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for undecodable bytes
+
+
+def _not_utf8(text: str) -> RowError | None:
+    found = NOT_UTF8.search(text)
+    if found is None:
+        return None
+    return RowError("not UTF-8", f"byte 0x{ord(found[0]) - 0xdc00:02x} at character {found.start() + 1}; "
+                    "re-encode the file as UTF-8")
+
+
 def _load_from_disk(path: str, split: str):
     import datasets
 
-    dataset = datasets.load_from_disk(path)
+    try:
+        dataset = datasets.load_from_disk(path)
+    except (OSError, ValueError, KeyError) as err:  # not written by save_to_disk, or damaged since
+        raise DataError(f"{path} is a folder but not a readable `datasets` save_to_disk folder "
+                        f"({type(err).__name__}: {err}); "
+                        "data.path takes a .json (list of rows) or .jsonl file, a save_to_disk folder "
+                        "(state.json / dataset_dict.json inside) or a Hugging Face dataset name") from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise DataError(f"{path} has splits {sorted(dataset)}, not {split!r}; set split=...")

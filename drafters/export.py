@@ -98,29 +98,34 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose "
-                          "another --out")
+    check_out_dir(out_dir, ckpt_dir, overwrite)
+    ckpt = load_source(ckpt_dir)
+    expected = preflight(ckpt, fmt, target)
+    state = cast_floats(ckpt.state_dict, DTYPES[dtype])
+
+    def write(payload: Path):
+        config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
+                        verifier or expected["name"])
+        return config, check_export(payload, fmt, target=expected, reference=ckpt)
+
+    config, report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)
+    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
+                        files=exported_files(out_dir))
+
+
+# ---- refusals: everything here runs before a byte is written ---------------------------------
+
+def load_source(ckpt_dir) -> Checkpoint:
+    """The checkpoint to export; refused if unreadable or holding NaN / inf weights."""
+    from drafters.export_check import check_finite
+
     try:
         ckpt = load_checkpoint(ckpt_dir)
     except CheckpointError as err:
         raise ExportError(str(err)) from None
-    expected = preflight(ckpt, fmt, target)
-    state = cast_floats(ckpt.state_dict, DTYPES[dtype])
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
-    try:
-        payload = staging / "export"
-        config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
-                        verifier or expected["name"])
-        report = check_export(payload, fmt, target=expected, reference=ckpt)
-        _move_into_place(payload, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
-                        files=sorted(p.name for p in out_dir.iterdir()))
+    check_finite(ckpt.state_dict, Path(ckpt_dir) / WEIGHTS_FILE)
+    return ckpt
 
-
-# ---- refusals: everything here runs before a byte is written ---------------------------------
 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
     """-> the target facts to export against (target_info fields). Raises ExportError."""
@@ -290,7 +295,76 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
     }
 
 
-# ---- atomic placement ---------------------------------------------------------------------------
+# ---- atomic placement, and what --overwrite may replace -----------------------------------------
+# Every export holds MARKER, written last, listing its files. --overwrite replaces a directory only
+# when it holds nothing but those files (or nothing at all) and not the source checkpoint: never a
+# training run, a checkpoint, a model directory or a file someone added.
+
+MARKER = ".drafters-export.json"
+
+
+def check_out_dir(out_dir: Path, source, overwrite: bool) -> None:
+    """Raises ExportError unless out_dir is free or (overwrite) replaceable; deletes nothing."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose "
+                          "another --out")
+    problems = _not_replaceable(out_dir, Path(source))
+    if problems:
+        raise ExportError(f"refusing to replace {out_dir} (--overwrite): " + "; ".join(problems)
+                          + f". --overwrite only replaces a directory an earlier export wrote (its "
+                          f"{MARKER} lists its files); choose another --out, or move {out_dir} "
+                          "away yourself")
+
+
+def _not_replaceable(out_dir: Path, source: Path) -> list[str]:
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        return ["it is not a directory" + (" (a symlink)" if out_dir.is_symlink() else "")]
+    problems = []
+    out, src = out_dir.resolve(), source.resolve()
+    if out == src or out in src.parents:
+        problems.append(f"it is or contains the source checkpoint {source}")
+    entries = {p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()}
+    foreign = sorted(entries - _marked_files(out_dir))
+    if foreign:
+        run = {"metrics.jsonl", "drafter.json"} & set(foreign) or any(n.startswith("checkpoint-")
+                                                                      for n in foreign)
+        problems.append(f"it holds {len(foreign)} entries no export wrote"
+                        + (" (a training run or checkpoint)" if run else "") + ": "
+                        + ", ".join(foreign[:8]) + (", ..." if len(foreign) > 8 else ""))
+    return problems
+
+
+def _marked_files(out_dir: Path) -> set[str]:
+    # the plain files an earlier export listed in its marker (none without a readable marker)
+    try:
+        listed = json.loads((out_dir / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    names = {MARKER, *(n for n in listed if isinstance(n, str))}
+    return {n for n in names if (out_dir / n).is_file() and not (out_dir / n).is_symlink()}
+
+
+def exported_files(out_dir: Path) -> list[str]:
+    return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
+
+
+def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
+    """write(payload) writes and validates the export in a temporary sibling directory -> its
+    result; then the marker is added and the directory renamed into place."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
+    try:
+        payload = staging / "export"
+        result = write(payload)
+        marker = {"files": exported_files(payload), "format": fmt, "source": str(source)}
+        (payload / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        check_out_dir(out_dir, source, overwrite)  # again: it may have changed meanwhile
+        _move_into_place(payload, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
+
 
 def _parent(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,11 +372,11 @@ def _parent(path: Path) -> Path:
 
 
 def _move_into_place(payload: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # --overwrite: move the old one aside so a reader never sees neither
+    if out_dir.exists():  # a replaceable earlier export: moved aside, so a crash keeps one of the two
         old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
         out_dir.rename(old)
         payload.rename(out_dir)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shutil.rmtree(old)
     else:
         payload.rename(out_dir)
 

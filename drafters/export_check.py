@@ -234,8 +234,19 @@ def expected_shapes(g: dict, num_aux: int, layer: str) -> dict[str, tuple[int, .
     }
 
 
+def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
+    # NaN compares False with everything: a NaN weight would pass every "diff > atol" test below
+    bad = [f"{name} ({int((~t.isfinite()).sum())} of {t.numel()})" for name, t in tensors.items()
+           if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        raise ExportCheckError(f"{where}: non-finite weights (NaN or inf) in {', '.join(bad[:6])}"
+                               + (", ..." if len(bad) > 6 else "") + "; the drafter diverged or was "
+                               "saved corrupted: export an earlier checkpoint or retrain")
+
+
 def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path,
                    config_dtype: str | None) -> torch.dtype:
+    check_finite(tensors, where)
     shapes = expected_shapes(g, num_aux, layer)
     missing = sorted(set(shapes) - set(tensors))
     unexpected = sorted(set(tensors) - set(shapes))
@@ -298,6 +309,7 @@ def _check_native(path: Path, target, reference, seed) -> CheckReport:
         ckpt = load_checkpoint(path)
     except CheckpointError as err:
         raise ExportCheckError(str(err)) from None
+    check_finite(ckpt.state_dict, path)
     if ckpt.family != "eagle3":  # other families: a faithful copy is all this reader can say
         if reference is not None:
             _same_tensors(ckpt.state_dict, reference.state_dict, path)
@@ -350,7 +362,7 @@ def _compare(config: Eagle3Config, state: dict, reference: Checkpoint | None, wh
     want = _draft_logits(_drafter(config, rounded, where), config, seed)
     source = _draft_logits(_drafter(config, reference.state_dict, where), config, seed)
     diff = max((g - w).abs().max().item() for g, w in zip(got, want))
-    if diff > 1e-5:
+    if not diff <= 1e-5:  # NaN fails too
         raise ExportCheckError(f"{where}: the drafter rebuilt from the export gives draft logits "
                                f"up to {diff:.3g} away from the source checkpoint's (atol 1e-5)")
     return diff, max((g - s).abs().max().item() for g, s in zip(got, source))

@@ -26,8 +26,6 @@ logits with the source checkpoint's, and only then renames the directory into pl
 """
 
 import json
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,11 +33,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import Eagle3Cache
-from drafters.export import DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, _move_into_place, _parent
-from drafters.export_check import CheckReport, ExportCheckError
+from drafters.export import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
+                             exported_files, load_source, write_staged)
+from drafters.export_check import CheckReport, ExportCheckError, check_finite
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -52,28 +51,22 @@ def export_eagle1(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", overwr
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose another --out")
-    try:
-        ckpt = load_checkpoint(ckpt_dir)
-    except CheckpointError as err:
-        raise ExportError(str(err)) from None
+    check_out_dir(out_dir, ckpt_dir, overwrite)
+    ckpt = load_source(ckpt_dir)
     expected, c = preflight(ckpt, target)
     files = official_config(c, dtype)
     tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous().clone() for k, v in ckpt.state_dict.items()}
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
-    try:
-        payload = staging / "export"
+
+    def write(payload: Path) -> CheckReport:
         payload.mkdir()
         save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})  # names are already official
         (payload / CONFIG_FILE).write_text(json.dumps(files, indent=2) + "\n")
-        report = check_eagle1_export(payload, target=expected, reference=ckpt)
-        _move_into_place(payload, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return check_eagle1_export(payload, target=expected, reference=ckpt)
+
+    report = write_staged(out_dir, ckpt_dir, "eagle1", write, overwrite)
     report.path = out_dir
     return ExportResult(path=out_dir, fmt="eagle1", dtype=dtype, config=files, check=report,
-                        files=sorted(p.name for p in out_dir.iterdir()))
+                        files=exported_files(out_dir))
 
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
@@ -163,6 +156,7 @@ def read_eagle1_export(path, *, target: dict | None = None) -> tuple[Eagle1Confi
                 raise ExportCheckError(f"{where}: {key} = {g[key]} but the target has {target.get(key)}; the "
                                        "drafter would run with lost acceptance")
     tensors = _read_tensors(path / WEIGHTS_FILE)
+    check_finite(tensors, path / WEIGHTS_FILE)
     return c, tensors, _check_tensors(tensors, g, config_dtype, path / WEIGHTS_FILE)
 
 
@@ -202,7 +196,7 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
         want = _outputs(_drafter(c, rounded, path), c, seed)
         source = _outputs(_drafter(c, reference.state_dict, path), c, seed)
         diff = max((a - b).abs().max().item() for a, b in zip(got, want))
-        if diff > 1e-5:
+        if not diff <= 1e-5:  # NaN fails too
             raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives outputs up to {diff:.3g} away "
                                    "from the source checkpoint's (atol 1e-5)")
         diffs = (diff, max((a - b).abs().max().item() for a, b in zip(got, source)))

@@ -25,8 +25,6 @@ the source checkpoint's, and only then renames the directory into place.
 
 import json
 import re
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,9 +32,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
-from drafters.export import DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult
-from drafters.export_check import ExportCheckError
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
+from drafters.export import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
+                             exported_files, load_source, write_staged)
+from drafters.export_check import ExportCheckError, check_finite
 from drafters.medusa import MedusaConfig, MedusaHeads
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "medusa_lm_head.safetensors"
@@ -77,12 +76,8 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose another --out")
-    try:
-        ckpt = load_checkpoint(ckpt_dir)
-    except CheckpointError as err:
-        raise ExportError(str(err)) from None
+    check_out_dir(out_dir, ckpt_dir, overwrite)
+    ckpt = load_source(ckpt_dir)
     expected, config = preflight(ckpt, target)
     name = expected.get("name") or ""
     base = base_model or BASE_MODEL_IDS.get(name, name)
@@ -105,19 +100,17 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
     tree = (ckpt.extra.get("tree") or {}).get("paths")
     if tree:
         files["medusa_choices"] = tree  # the calibrated tree (Medusa's name for a tree's rank paths)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
-    try:
-        payload = staging / "export"
+
+    def write(payload: Path) -> MedusaCheckReport:
         payload.mkdir()
         save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})
         (payload / CONFIG_FILE).write_text(json.dumps(files, indent=2) + "\n")
-        report = check_medusa_export(payload, target=expected, reference=ckpt)
-        _move_into_place(payload, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return check_medusa_export(payload, target=expected, reference=ckpt)
+
+    report = write_staged(out_dir, ckpt_dir, "medusa", write, overwrite)
     report.path = out_dir
     return ExportResult(path=out_dir, fmt="medusa", dtype=dtype, config=files, check=report,
-                        files=sorted(p.name for p in out_dir.iterdir()))
+                        files=exported_files(out_dir))
 
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
@@ -150,21 +143,6 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
     return expected, config
 
 
-def _parent(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.parent
-
-
-def _move_into_place(payload: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # --overwrite: move the old one aside so a reader never sees neither
-        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
-        out_dir.rename(old)
-        payload.rename(out_dir)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        payload.rename(out_dir)
-
-
 # ---- independent reader ---------------------------------------------------------------------------
 # Parses the files as the format describes them; shares no key mapping with the writer above.
 
@@ -179,6 +157,7 @@ def read_medusa_export(path, *, target: dict | None = None) -> tuple[MedusaConfi
     config = _read_config(path / CONFIG_FILE)
     where = str(path / WEIGHTS_FILE)
     tensors = _read_tensors(path / WEIGHTS_FILE)
+    check_finite(tensors, where)
     K, n = config["medusa_num_heads"], config["medusa_num_layers"]
     blocks, heads, unknown = {}, {}, []
     for key, value in tensors.items():
@@ -251,7 +230,7 @@ def check_medusa_export(path, *, target: dict | None = None, reference: Checkpoi
                       - source.project(source.states(x, [k])[:, 0], k, lm_head)).abs().max()
                      for k in range(config.num_heads)]
         diff = float(max(diffs))
-        if diff > 1e-4:
+        if not diff <= 1e-4:  # NaN fails too
             raise MedusaExportError(f"{path}: rebuilt heads differ from the source checkpoint: max |logit diff| {diff}")
     return MedusaCheckReport(Path(path), config.num_heads, config.num_layers, config.share_lm_head,
                              str(dtype).removeprefix("torch."), len(state), diff)

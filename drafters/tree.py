@@ -249,7 +249,8 @@ TREE_SPEC_GRAMMAR = """tree spec grammar:
   chain:K                               a chain of K draft tokens (K >= 1)
   static:eagle1 | static:medusa         named sparse trees (25 / 63 draft nodes)
   static:PATHS.json | static:[[0],[1],[0,0]]   top-k rank paths from a JSON file or inline
-  dynamic:total=60,depth=6,topk=10      EAGLE-2 dynamic tree (total draft nodes, root excluded)"""
+  dynamic:total=60,depth=6,topk=10      EAGLE-2 dynamic tree (total draft nodes, root excluded;
+                                        all three keys required)"""
 
 
 @dataclass(frozen=True)
@@ -299,13 +300,22 @@ def _load_paths(arg: str):
     raise ValueError(f"unknown static tree {arg!r}: use {' / '.join(NAMED_SHAPES)}, a .json file or inline JSON")
 
 
+DYNAMIC_KEYS = ("total", "depth", "topk")
+
+
 def _parse_dynamic(arg: str) -> DynamicSpec:
+    # every key once, no defaults: a missing topk used to default to 10, more than a small total,
+    # which silently spent the whole budget at depth 1
     fields = {}
     for item in filter(None, arg.split(",")):
         key, eq, value = item.partition("=")
-        if key not in ("total", "depth", "topk") or not eq or not re.fullmatch(r"\d+", value) or int(value) < 1:
-            raise ValueError(f"bad field {item!r}: expected total=N, depth=N or topk=N with N >= 1")
+        if key not in DYNAMIC_KEYS or key in fields or not eq or not re.fullmatch(r"\d+", value) or int(value) < 1:
+            raise ValueError(f"bad field {item!r}: expected each of {', '.join(k + '=N' for k in DYNAMIC_KEYS)} "
+                             "once, with N >= 1")
         fields[key] = int(value)
+    missing = [k for k in DYNAMIC_KEYS if k not in fields]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}: a dynamic tree needs all of {', '.join(DYNAMIC_KEYS)}")
     return DynamicSpec(**fields)
 
 

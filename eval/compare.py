@@ -9,9 +9,10 @@
 Every drafter is evaluated by the same decoder (eval/tau.py, in this process) on the same prompts:
 one run per drafter x bench x temperature at `--tree`, plus, at the first bench and temperature,
 one run per `--sweep` tree for the speedup-vs-budget plot. Each run's JSON lands in
-out/runs/ and is reused when the command is repeated with the same settings (an interrupted
-comparison resumes; delete a JSON to redo it). Training budgets and curves are read from each
-checkpoint's drafter.json and the metrics.jsonl of its run directory. The report is
+out/runs/ and is reused when the command is repeated with the same target and settings and the
+drafter's files are unchanged (sha256): an interrupted comparison resumes; delete a JSON to redo it.
+Training budgets and curves are read from each checkpoint's drafter.json and the metrics.jsonl of
+its run directory. The report is
 out/index.md with PNG plots beside it (drafters.report).
 
 Refused with a clear error, before anything runs: a drafter directory that is not a checkpoint,
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # eval/tau.py, run in-
 import tau
 
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, target_info
-from drafters.proposers.loading import load_proposer
+from drafters.proposers.loading import load_proposer, proposer_sha256
 from drafters.report import Entry, render
 from drafters.targets import load_target
 from drafters.tree import parse_tree_spec
@@ -70,10 +71,12 @@ def parse_args(argv):
 def main(argv=None) -> Path:
     args = parse_args(argv)
     entries = [checkpoint_entry(*spec.partition("@")[::2]) for spec in args.drafters]
-    check_same_target(entries, args.target)
+    target = load_target(args.target)
+    args.target_name = target.name  # as eval/tau.py records it
+    check_same_target(entries, target, args.target)
     entries += [Entry(label=spec, family="baseline", source=spec) for spec in args.baseline_specs]
     unique_labels(entries)
-    check_trees(entries, args)
+    check_trees(entries, target, args)
     out = Path(args.out)
     for entry in entries:
         for bench in args.benches:
@@ -125,7 +128,7 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def check_same_target(entries: list[Entry], target_name: str) -> None:
+def check_same_target(entries: list[Entry], target, target_name: str) -> None:
     if not entries:
         return
     fields = ("name", *TARGET_FIELDS)
@@ -136,7 +139,7 @@ def check_same_target(entries: list[Entry], target_name: str) -> None:
         if differ:
             raise SystemExit(f"compare: {first.source} and {entry.source} were trained for different targets ("
                              + "; ".join(differ) + "): a comparison needs one target")
-    have = target_info(load_target(target_name))
+    have = target_info(target)
     differ = [f"{k}: drafters {first.target.get(k)!r} vs --target {have[k]!r}" for k in TARGET_FIELDS
               if first.target.get(k) != have[k]]
     if differ:
@@ -144,10 +147,9 @@ def check_same_target(entries: list[Entry], target_name: str) -> None:
                          f"{target_name!r}: " + "; ".join(differ))
 
 
-def check_trees(entries: list[Entry], args) -> None:
+def check_trees(entries: list[Entry], target, args) -> None:
     """Every drafter must be able to draft every tree it will be asked for (e.g. a 4-head Medusa
     cannot draft depth 5): refused here, before hours of evaluation, not in the middle of them."""
-    target = load_target(args.target)
     for entry in entries:
         for tree in dict.fromkeys([entry.tree or args.tree, *args.sweep]):
             try:
@@ -176,8 +178,10 @@ def evaluate(entry: Entry, args, bench: str, temperature: float, tree: str, out:
     argv += [] if speed else ["--no-baseline"]
     if path.is_file():
         cached = json.loads(path.read_text())
-        wanted = {"proposer": entry.source, "bench": bench, "tree": tree, "max_new_tokens": args.max_new_tokens,
-                  "max_turns": args.max_turns, "limit": args.limit}
+        # the drafter's files, not only its path: a retrained checkpoint at the same path is run again
+        wanted = {"target": args.target_name, "proposer": entry.source, "proposer_sha256": proposer_sha256(entry.source),
+                  "bench": bench, "tree": tree, "max_new_tokens": args.max_new_tokens, "max_turns": args.max_turns,
+                  "limit": args.limit}
         if all(cached.get(k) == v for k, v in wanted.items()) and cached["sampling"]["temperature"] == temperature \
                 and cached.get("no_baseline") == (not speed):
             print(f"compare: reusing {path}")

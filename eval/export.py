@@ -30,7 +30,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="native drafter checkpoint directory (drafter.json)")
     p.add_argument("--format", required=True, choices=FORMATS)
-    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--out", required=True, help="output directory (must not exist, see --overwrite)")
     p.add_argument("--target", default=None,
                    help="load this target and validate against it (short name, HF dir, .gguf)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
@@ -39,7 +39,9 @@ def parse_args(argv):
     p.add_argument("--verifier", default=None,
                    help="vllm: verifier name_or_path to record; medusa: base_model_name_or_path "
                         "(default: the target's name, or its Hub id for the shipped targets)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out that an earlier export wrote (never a directory "
+                        "holding the checkpoint, a training run or files the export did not write)")
     return p.parse_args(argv)
 
 

@@ -28,7 +28,9 @@ skip (with the rest of that item's turns), not an error.
 Large benches on a GPU: `--shard I/N` evaluates bench items I, I+N, I+2N, ... so N processes can
 share one device; `--merge A.json B.json ... --json all.json` combines their reports (the raw
 per-round counts travel in each JSON, so the merged tau and per-depth acceptance are exact, not
-averages of averages). `--no-baseline` (temperature 0 only) skips `generate`: turn 2 then follows
+averages of averages). It refuses anything but every shard I/N of one run exactly once: a repeated
+or missing shard, shards of different N, or of different settings (target, proposer and the
+sha256 of its files, bench, tree, sampling, limits). `--no-baseline` (temperature 0 only) skips `generate`: turn 2 then follows
 the speculative turn-1 answer, which is the same text whenever the decoder is lossless, and no
 speed or greedy check is reported; use it for tau sweeps, and measure speed without it.
 """
@@ -48,7 +50,7 @@ from tqdm import tqdm
 from drafters.benches import BenchItem, load_bench, render_prompt
 from drafters.decoding import RoundStats, speculative_generate
 from drafters.proposers.adaptive import AdaptiveChain
-from drafters.proposers.loading import load_proposer, tree_budget, tree_depth
+from drafters.proposers.loading import load_proposer, proposer_sha256, tree_budget, tree_depth
 from drafters.sampling import SamplingConfig
 from drafters.targets import load_target
 from drafters.tree import ChainSpec, parse_tree_spec
@@ -110,6 +112,7 @@ def main(argv=None) -> dict:
         target = load_target(args.target, dtype=args.dtype)
         args.device_used = str(device(args.device))
         target.model.to(args.device_used)
+        args.proposer_sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
         proposer = load_proposer(args.proposer, target, tree)
         if args.adaptive:
             proposer = AdaptiveChain(proposer)
@@ -281,7 +284,8 @@ def summarize(run: Run, args, target, tree) -> dict:
     budget = tree_budget(tree)
     measured = run.base_tokens > 0  # False with --no-baseline
     return {
-        "target": target.name, "proposer": args.proposer, "bench": args.bench, "tree": args.tree,
+        "target": target.name, "proposer": args.proposer, "proposer_sha256": args.proposer_sha256,
+        "bench": args.bench, "tree": args.tree,
         "tree_budget": {"draft_nodes_excl_root": budget, "nodes_incl_root": budget + 1},
         "mean_tree_nodes_incl_root": sum(stats.tree_sizes) / rounds,
         "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
@@ -313,23 +317,21 @@ def summarize(run: Run, args, target, tree) -> dict:
     }
 
 
+# what every shard of one run shares (device and threads may differ)
+SAME_RUN = ("target", "proposer", "proposer_sha256", "bench", "tree", "sampling", "max_new_tokens", "max_turns",
+            "limit", "adaptive", "no_baseline")
+
+
 def merge(paths: list[str], out: str | None) -> dict:
-    """One report from the reports of the shards of one run (same target, proposer, tree, sampling)."""
+    """One report from the reports of all shards of one run: each I/N exactly once, same settings."""
     reports = []
     for path in paths:
         try:
             reports.append(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError) as error:  # ValueError: bad JSON or not UTF-8
             raise SystemExit(f"tau --merge: cannot read {path}: {error}") from None
-    same = ("target", "proposer", "bench", "tree", "sampling", "max_new_tokens", "max_turns", "adaptive",
-            "no_baseline")
-    for path, r in zip(paths[1:], reports[1:]):
-        if "raw" not in r:
-            raise SystemExit(f"tau --merge: {path} has no per-round counts ('raw'); rerun it with this version")
-        differ = [f"{k}: {r.get(k)!r} vs {reports[0].get(k)!r}" for k in same if r.get(k) != reports[0].get(k)]
-        if differ:
-            raise SystemExit(f"tau --merge: {path} is not a shard of the same run as {paths[0]}: "
-                             + "; ".join(differ))
+    check_same_run(paths, reports)
+    check_all_shards(paths, reports)
     run = Run()
     for r in reports:
         raw = r["raw"]
@@ -351,6 +353,7 @@ def merge(paths: list[str], out: str | None) -> dict:
         max_turns=first["max_turns"],
         limit=first["limit"], adaptive=first["adaptive"], no_baseline=first["no_baseline"],
         device_used=first["device"], shard=f"merged {len(reports)}", temperature=first["sampling"]["temperature"],
+        proposer_sha256=first.get("proposer_sha256"),
         top_k=first["sampling"]["top_k"], top_p=first["sampling"]["top_p"], seed=first["sampling"]["seed"])
     report = summarize(run, args, argparse.Namespace(name=first["target"]), parse_tree_spec(first["tree"]))
     report["threads"] = first["threads"]
@@ -358,6 +361,38 @@ def merge(paths: list[str], out: str | None) -> dict:
     if out:
         write_json_atomic(Path(out), report)
     return report
+
+
+def check_same_run(paths: list[str], reports: list[dict]) -> None:
+    for path, r in zip(paths, reports):
+        if "raw" not in r:
+            raise SystemExit(f"tau --merge: {path} has no per-round counts ('raw'); rerun it with this version")
+        differ = [f"{k}: {r.get(k)!r} vs {reports[0].get(k)!r}" for k in SAME_RUN if r.get(k) != reports[0].get(k)]
+        if differ:
+            raise SystemExit(f"tau --merge: {path} is not a shard of the same run as {paths[0]}: "
+                             + "; ".join(differ))
+
+
+def check_all_shards(paths: list[str], reports: list[dict]) -> None:
+    # shard I/N for every I in 0..N-1, once each, one N: else the merged tau covers part of the bench
+    shards = {}
+    for path, r in zip(paths, reports):
+        index, slash, count = str(r.get("shard")).partition("/")
+        if not (slash and index.isdigit() and count.isdigit()):
+            raise SystemExit(f"tau --merge: {path} is not a shard (shard {r.get('shard')!r}); merge the --json "
+                             "reports of the --shard I/N runs of one evaluation")
+        shards.setdefault(int(count), {}).setdefault(int(index), []).append(path)
+    if len(shards) > 1:
+        raise SystemExit("tau --merge: the shards split the bench in different ways: " + "; ".join(
+            f"N={n}: {', '.join(p for ps in found.values() for p in ps)}" for n, found in sorted(shards.items())))
+    (count, found), = shards.items()
+    twice = [f"{i}/{count} ({', '.join(ps)})" for i, ps in sorted(found.items()) if len(ps) > 1]
+    if twice:
+        raise SystemExit(f"tau --merge: shard given more than once: {'; '.join(twice)}")
+    missing = [f"{i}/{count}" for i in range(count) if i not in found]
+    if missing:
+        raise SystemExit(f"tau --merge: missing shard {', '.join(missing)} of {count}: run it with --shard "
+                         f"and merge all {count}")
 
 
 def print_report(r: dict) -> None:

@@ -218,8 +218,12 @@ def test_refuses_existing_out_dir(tmp_path, ckpt):
     with pytest.raises(ExportError, match="already exists"):
         export_checkpoint(ckpt, "sglang", tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    export_checkpoint(ckpt, "sglang", tmp_path / "out", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", WEIGHTS]
+    with pytest.raises(ExportError, match="no export wrote: keep.txt"):  # never deletes what it did not write
+        export_checkpoint(ckpt, "sglang", tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    (tmp_path / "out" / "keep.txt").unlink()
+    export_checkpoint(ckpt, "sglang", tmp_path / "out", overwrite=True)  # an empty directory is replaced
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".drafters-export.json", "config.json", WEIGHTS]
 
 
 # ---- CLI -----------------------------------------------------------------------------------

@@ -225,5 +225,5 @@ def test_wrong_format_wrong_family_wrong_target_and_corrupt_exports_fail_clearly
     save_file(tensors, weights)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     (tmp_path / "out" / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
-    with pytest.raises(ValueError, match="hidden size 32, but tiny-random-llama has 64"):
+    with pytest.raises(ValueError, match="hidden_size: checkpoint 32 vs target 64"):
         load_proposer(str(tmp_path / "out"), tiny, parse_tree_spec("chain:2"))

@@ -167,7 +167,7 @@ def test_load_proposer_rejects_unknown_specs_and_foreign_checkpoints(tmp_path):
         load_proposer(str(tmp_path), target, ChainSpec(4))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
                                                       "hidden_size": 64, "vocab_size": 49152}))
-    with pytest.raises(ValueError, match="vocab size 49152.*has 259"):
+    with pytest.raises(ValueError, match="vocab_size: checkpoint 49152 vs target 259"):
         load_proposer(str(tmp_path), target, ChainSpec(4))
     foreign_layers = {"eagle_aux_hidden_state_layer_ids": [1, 15, 27]}  # a 30-layer target's
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], "vocab_size": 259,

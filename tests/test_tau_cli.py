@@ -78,7 +78,7 @@ def test_formula_helpers():
     (["--proposer", "medusa-ish"], "unknown proposer 'medusa-ish'"),
     (["--tree", "chain:zero"], "bad tree spec 'chain:zero'"),
     (["--temperature", "-0.5"], "--temperature must be >= 0"),
-    (["--tree", "dynamic:total=8", "--adaptive"], "--adaptive needs a chain"),
+    (["--tree", "dynamic:total=8,depth=3,topk=2", "--adaptive"], "--adaptive needs a chain"),
     (["--target", "no-such-target"], "unknown target 'no-such-target'"),
     (["--proposer", "draft-model:"], "draft-model needs a model"),
 ])
@@ -96,7 +96,7 @@ def test_checkpoint_for_another_target_is_refused(bench, tmp_path):
     checkpoint = tmp_path / "drafter"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
-    with pytest.raises(SystemExit, match="hidden size 576"):
+    with pytest.raises(SystemExit, match="hidden_size: checkpoint 576 vs target 64"):
         run(bench, tmp_path / "out.json", "--proposer", str(checkpoint))
     assert not (tmp_path / "out.json").exists()
 

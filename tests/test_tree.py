@@ -68,7 +68,6 @@ def test_bad_trees_raise():
 def test_parse_tree_specs(tmp_path):
     assert parse_tree_spec("chain:4") == ChainSpec(4)
     assert parse_tree_spec("dynamic:total=60,depth=6,topk=10") == DynamicSpec(60, 6, 10)
-    assert parse_tree_spec("dynamic:depth=3") == DynamicSpec(depth=3)
     spec = parse_tree_spec("static:eagle1")
     assert isinstance(spec, StaticSpec) and spec.shape.num_nodes == 26
     assert parse_tree_spec("static:[[0],[1],[0,0]]").shape.parents == (-1, 0, 0, 1)

@@ -14,11 +14,13 @@ number of leaves, number of draft nodes). This module knows nothing about decodi
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
-from drafters.checkpoint import CONFIG_FILE, check_target
+from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
+from drafters.hashing import dir_sha256
 from drafters.proposers import PROPOSERS
 from drafters.proposers.draft_model import DraftModelProposer
 from drafters.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
@@ -64,6 +66,18 @@ def load_proposer(spec: str, target, tree: TreeSpec):
         return load_checkpoint(Path(spec), target, tree)
     raise ValueError(f"unknown proposer {spec!r}: use one of {', '.join(PROPOSER_SPECS)} "
                      f"(registered names: {', '.join(sorted(PROPOSERS))})")
+
+
+def proposer_sha256(spec: str) -> str | None:
+    """Content of a drafter directory (its top-level .json and .safetensors files): what a cached or
+    merged result must agree on, since a checkpoint can change under the same path. None for a
+    named proposer (prompt-lookup, draft-model:...)."""
+    path = Path(spec)
+    if not path.is_dir():
+        return None
+    names = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
+             and p.suffix in (".json", ".safetensors")]
+    return dir_sha256(path, names)
 
 
 def tree_budget(tree: TreeSpec) -> int:
@@ -133,7 +147,7 @@ def load_checkpoint(path: Path, target, tree: TreeSpec):
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path}: not valid JSON ({error})") from None
-    check_checkpoint_matches_target(config, target, config_path)
+    check_export_target(config, target, config_path)
     for fmt, (detect, load) in CHECKPOINT_LOADERS.items():
         if detect(config):
             return load(path, config, target, tree)
@@ -144,24 +158,69 @@ def load_checkpoint(path: Path, target, tree: TreeSpec):
     )
 
 
-def check_checkpoint_matches_target(config: dict, target, where) -> None:
-    # Every field the checkpoint records about its target must match this target.
-    layer_config = config.get("transformer_layer_config", {})  # vLLM speculators nest it
-    recorded = {
-        "hidden size": config.get("target_hidden_size", config.get("hidden_size")),
-        "vocab size": config.get("vocab_size", layer_config.get("vocab_size")),
-        "layer count": config.get("target_num_hidden_layers", config.get("num_target_layers")),
-    }
-    actual = {"hidden size": target.hidden_size, "vocab size": target.vocab_size,
-              "layer count": target.num_layers}
-    for field, value in recorded.items():
-        if value is not None and value != actual[field]:
-            raise ValueError(f"{where}: drafter was built for a target with {field} {value}, but "
-                             f"{target.name} has {actual[field]}; train or export it for this target")
-    eagle_config = config.get("eagle_config", {})
-    layer_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids",
-                                 config.get("eagle_aux_hidden_state_layer_ids")) or []
-    if any(not 0 <= i <= target.num_layers for i in layer_ids):
-        raise ValueError(f"{where}: auxiliary layer ids {layer_ids} do not exist in {target.name} "
-                         f"({target.num_layers} layers); the drafter was built for another target")
+def check_export_target(config: dict, target, where) -> None:
+    """Every fact an exported drafter's config.json records about its target must match this target:
+    the TARGET_FIELDS it records (through drafters.checkpoint.check_target, the one check native
+    checkpoints use), its aux layer ids, draft vocabulary and verifier / base model name."""
+    recorded = {**target_info(target), **_recorded_target(config), "name": _recorded_name(config) or "(not recorded)"}
+    problems = []
+    try:  # fields the export does not record are the target's own: only recorded ones can differ
+        check_target(Checkpoint(Path(where), "export", config, recorded, {}, {}), target)
+    except CheckpointError as error:
+        problems.append(str(error))
+    problems += _layer_and_vocab_problems(config, target) + _verifier_problems(config, target)
+    if problems:
+        raise ValueError(f"{where}: this exported drafter was built for another target than {target.name!r}; "
+                         "train or export it for this target:\n  - " + "\n  - ".join(problems))
 
+
+def _recorded_target(config: dict) -> dict:
+    # TARGET_FIELDS as an export records them; vLLM speculators nest the layer's fields
+    layer = config.get("transformer_layer_config") or {}
+    found = {
+        "hidden_size": config.get("target_hidden_size", config.get("hidden_size", layer.get("hidden_size"))),
+        "vocab_size": config.get("vocab_size", layer.get("vocab_size")),
+        "max_position_embeddings": config.get("max_position_embeddings", layer.get("max_position_embeddings")),
+        "num_layers": config.get("target_num_hidden_layers", config.get("num_target_layers")),
+    }
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def _layer_and_vocab_problems(config: dict, target) -> list[str]:
+    problems = []
+    layer_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids",
+                                                       config.get("eagle_aux_hidden_state_layer_ids")) or []
+    if any(not isinstance(i, int) or not 0 <= i <= target.num_layers for i in layer_ids):
+        problems.append(f"auxiliary layer ids {layer_ids} do not exist in {target.name} ({target.num_layers} layers)")
+    draft_vocab = config.get("draft_vocab_size")
+    if draft_vocab is not None and not (isinstance(draft_vocab, int) and 0 < draft_vocab <= target.vocab_size):
+        problems.append(f"draft_vocab_size {draft_vocab} is not in 1..{target.vocab_size} (the target's vocabulary)")
+    return problems
+
+
+def _verifier_problems(config: dict, target) -> list[str]:
+    # vLLM speculators record the verifier, Medusa the base model: a name, matched loosely (a Hub id,
+    # a local copy's directory or a .gguf file of the same model agree), and architectures exactly
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    name, problems = _recorded_name(config), []
+    if name and not _same_model(name, target.name):
+        problems.append(f"verifier / base model {name!r} is not {target.name!r}")
+    architectures, have = verifier.get("architectures") or [], target_info(target)["architectures"]
+    if architectures and have and architectures != have:
+        problems.append(f"verifier architectures {architectures} vs target {have}")
+    return problems
+
+
+def _recorded_name(config: dict) -> str | None:
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    name = verifier.get("name_or_path") or config.get("base_model_name_or_path")
+    return name if isinstance(name, str) and name else None
+
+
+def _same_model(recorded: str, name: str) -> bool:
+    # last path component, letters and digits only: HuggingFaceTB/SmolLM2-135M-Instruct ~ smollm2-135m-instruct
+    def key(s):
+        return re.sub(r"[^a-z0-9]", "", Path(s.rstrip("/")).name.lower().removesuffix(".gguf"))
+
+    a, b = key(recorded), key(name)
+    return bool(a and b) and (a in b or b in a)
