@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from drafters.hashing import file_sha256
 from drafters.tiny import TINY_TARGETS, build_tiny_target
 
 
@@ -299,14 +300,6 @@ def write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cach
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- PyPI-shipped targets ------------------------------------------------------------------------
