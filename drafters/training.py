@@ -9,6 +9,8 @@ every family's Recipe dataclass works with them. Knows nothing about drafters or
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -332,15 +334,46 @@ class Position:
     micro: int = 0
 
 
+class StopRequests:
+    """While the loop runs, SIGINT (Ctrl-C) and SIGTERM (schedulers, `kill`) only record that a stop
+    was asked for; train_loop honours it at the next optimizer-step boundary, so a checkpoint never
+    holds part of a step (e.g. Adam's step count moved on some parameters only). A second signal
+    stops at once, saving nothing. The previous handlers are restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.signal, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self.previous = {s: signal.signal(s, self.record) for s in self.SIGNALS}
+        return self
+
+    def record(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped without saving")
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def agreed(self, accelerator) -> bool:
+        # every process must stop at the same step; one collective per step with several processes
+        if accelerator.num_processes == 1:
+            return self.signal is not None
+        flag = torch.tensor(float(self.signal is not None), device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum") > 0)
+
+
 def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_steps: int,
                start_step: int = 0, start: Position | None = None) -> list[float]:
     """Optimizer steps start_step+1 .. total_steps. `run` (a training script's Run) provides
     micro_step(batch, acc) -> summed metric tensors, log (MetricsLog), flush_due(step, total),
     reduce_sum, periodic(step, total, position) (evaluation, checkpoints), save(path, step,
     result, position), rows_of(pass, micro) -> 'file:line' of a micro-batch's rows, recipe,
-    accelerator and objective. Ctrl-C saves a resumable checkpoint of the last finished step; a
-    non-finite loss stops before the optimizer applies it (the last checkpoint stays the last
-    good one)."""
+    accelerator and objective. Ctrl-C or SIGTERM lets the running step finish, then saves a
+    resumable checkpoint of it (StopRequests); a non-finite loss stops before the optimizer applies
+    it (the last checkpoint stays the last good one)."""
     from tqdm import tqdm
 
     recipe, accelerator, objective = run.recipe, run.accelerator, run.objective
@@ -353,7 +386,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                dynamic_ncols=True)
     objective.train()
     acc = None
-    try:
+    with StopRequests() as stop:
         while step < total_steps:
             for batch in loader:
                 micro += 1
@@ -378,19 +411,25 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                 if run.flush_due(step, total_steps):
                     bar.set_postfix_str(run.log.flush(run.reduce_sum, accelerator.num_processes))
                 run.periodic(step, total_steps, position)
+                if stop.agreed(accelerator):  # the step boundary: nothing of the next step has run
+                    bar.close()
+                    save_and_exit(run, step, position, stop.signal)
                 if step == total_steps:
                     break
             else:
                 passes, micro = passes + 1, 0
-    except KeyboardInterrupt:
-        bar.close()
-        if run.log.pending:
-            run.log.flush(run.reduce_sum, accelerator.num_processes)
-        path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
-        raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
-                         f"resume_from={path} (or resume_from=latest)") from None
     bar.close()
     return run.log.losses
+
+
+def save_and_exit(run, step: int, position: Position, signal_name: str | None) -> None:
+    accelerator = run.accelerator
+    if run.log.pending:
+        run.log.flush(run.reduce_sum, accelerator.num_processes)
+    accelerator.print(f"{signal_name or 'a signal to another process'}: saving the state after step {step}")
+    path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
+    raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
+                     f"resume_from={path} (or resume_from=latest)")
 
 
 class RunBase:

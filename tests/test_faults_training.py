@@ -1,0 +1,137 @@
+"""Faults of a training run end cleanly (issue 13): a signal is honoured at a step boundary and resumes
+bitwise, a run never silently replaces another, damaged or mismatched checkpoints are named, and
+recipe mistakes are refused with a message (train/eagle.py, train/heads.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.checkpoint import load_checkpoint
+
+eagle, heads = load_script("train/eagle.py"), load_script("train/heads.py")
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"recipes/eagle3_tiny.yaml": eagle, "recipes/medusa_tiny.yaml": heads}  # 6 steps, grad_accum 2
+
+
+def train(recipe, out, *overrides):
+    return SCRIPTS[recipe].main([recipe, f"output_dir={out}", "eval_every=0", *overrides])
+
+
+def assert_same_weights(a, b):
+    wa, wb = (load_checkpoint(Path(d) / "checkpoint-final").state_dict for d in (a, b))
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == [], "weights differ from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = {}
+    for recipe in SCRIPTS:
+        runs[recipe] = tmp_path_factory.mktemp("whole")
+        train(recipe, runs[recipe])
+    return runs
+
+
+# ---- 1. an interrupt takes effect between optimizer steps, whatever phase of a step it hits ---------
+
+STOP_STEP = 3  # the interrupt arrives while step 3 runs: step 3 finishes, is saved, and the run stops
+
+
+def interrupt_during(phase: str, script, monkeypatch):
+    """A train_loop that sends this process SIGINT once, in `phase` of optimizer step STOP_STEP."""
+    inner = script.train_loop
+
+    def train_loop(run, optimizer, scheduler, *args, **kwargs):
+        state = {"micro": 0, "sent": False}
+
+        def send(now: bool) -> None:
+            if now and not state["sent"]:
+                state["sent"] = True
+                signal.raise_signal(signal.SIGINT)
+
+        micro_step, periodic, scheduler_step = run.micro_step, run.periodic, type(scheduler).step
+        step_of_micro = lambda: state["micro"] // run.recipe.grad_accum + 1  # noqa: E731 (1-based step)
+
+        def micro(batch, acc):
+            first = state["micro"] % run.recipe.grad_accum == 0
+            send(step_of_micro() == STOP_STEP and phase == ("first_micro" if first else "last_micro"))
+            state["micro"] += 1
+            return micro_step(batch, acc)
+
+        run.micro_step = micro
+        optimizer.optimizer.register_step_pre_hook(
+            lambda *_: send(phase == "optimizer_pre" and step_of_micro() - 1 == STOP_STEP))
+        optimizer.optimizer.register_step_post_hook(
+            lambda *_: send(phase == "optimizer_post" and step_of_micro() - 1 == STOP_STEP))
+
+        def scheduler_then_signal(self, *a, **k):
+            scheduler_step(self, *a, **k)
+            send(phase == "scheduler" and step_of_micro() - 1 == STOP_STEP)
+
+        # on the class: an instance attribute would land in the scheduler's saved state
+        monkeypatch.setattr(type(scheduler), "step", scheduler_then_signal)
+
+        def periodic_then_signal(step, total, position):
+            periodic(step, total, position)
+            send(phase == "periodic" and step == STOP_STEP)
+
+        run.periodic = periodic_then_signal
+        return inner(run, optimizer, scheduler, *args, **kwargs)
+
+    return train_loop
+
+
+@pytest.mark.parametrize("recipe, phase", [
+    *(("recipes/eagle3_tiny.yaml", p) for p in
+      ("first_micro", "last_micro", "optimizer_pre", "optimizer_post", "scheduler", "periodic")),
+    ("recipes/medusa_tiny.yaml", "optimizer_post"), ("recipes/medusa_tiny.yaml", "first_micro"),
+])
+def test_interrupt_in_any_phase_saves_the_finished_step_and_resumes_bitwise(uninterrupted, tmp_path, monkeypatch,
+                                                                              recipe, phase):
+    script, out = SCRIPTS[recipe], tmp_path / "run"
+    inner = script.train_loop
+    monkeypatch.setattr(script, "train_loop", interrupt_during(phase, script, monkeypatch))
+    with pytest.raises(SystemExit) as stopped:
+        train(recipe, out)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handlers are back
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setattr(script, "train_loop", inner)
+    train(recipe, out, "resume_from=latest")
+    assert_same_weights(uninterrupted[recipe], out)
+    # the step that was running when the signal came finished, and the checkpoint says so
+    path = out / f"checkpoint-{STOP_STEP}"
+    assert str(stopped.value) == (f"interrupted: saved the state after step {STOP_STEP} to {path}; continue with "
+                                  f"resume_from={path} (or resume_from=latest)")
+    assert load_checkpoint(path).extra["step"] == STOP_STEP
+
+
+# ---- 2. SIGTERM (schedulers, `kill`) saves like Ctrl-C --------------------------------------------
+
+LONG = ["max_steps=60", "log_every=1", "save_every=0"]  # about 5 s: time to signal it mid-run
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "terminated"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "train/eagle.py", "recipes/eagle3_tiny.yaml", f"output_dir={out}", "eval_every=0", *LONG]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and process.poll() is None:
+        assert time.monotonic() < deadline, "the run never logged a step"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and "interrupted: saved the state after step" in stderr, stderr[-2000:]
+    assert not (out / "checkpoint-final").exists()
+    assert 2 <= max(json.loads(row)["step"] for row in metrics.read_text().splitlines()) < 60
+    train("recipes/eagle3_tiny.yaml", out, *LONG, "resume_from=latest")
+    train("recipes/eagle3_tiny.yaml", whole, *LONG)
+    assert_same_weights(whole, out)
