@@ -8,6 +8,7 @@ every family's Recipe dataclass works with them. Knows nothing about drafters or
 
 import json
 import math
+import re
 import shutil
 import signal
 import threading
@@ -72,6 +73,8 @@ class TrainRecipe:
     eval_every: int = 0  # 0 = only at the end
     resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
     allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    overwrite_output_dir: bool = False  # a new run into an output_dir holding an earlier run: remove that run's
+    #                                     checkpoint-<step>/final, metrics.jsonl and eval.jsonl first (else refused)
     wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
     wandb_name: str | None = None  # the wandb run name; null = wandb's
 
@@ -114,6 +117,7 @@ def start_run(recipe, script: str):
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     accelerator = make_accelerator(recipe, script)
+    claim_output_dir(recipe, accelerator)
     target = load_target(recipe.target, dtype=recipe.dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
     resume = resume_checkpoint(recipe, recipe.drafter)
@@ -121,6 +125,41 @@ def start_run(recipe, script: str):
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
     train_rows, held_out = load_examples(recipe, target, accelerator.print)
     return accelerator, target, resume, train_rows, held_out
+
+
+# What a run writes into output_dir: what a new run would replace and overwrite_output_dir removes.
+RUN_FILES = re.compile(r"checkpoint-(\d+|final)|metrics\.jsonl|eval\.jsonl")
+
+
+def earlier_run_files(output_dir) -> list[Path]:
+    directory = Path(output_dir)
+    return sorted(p for p in directory.iterdir() if RUN_FILES.fullmatch(p.name)) if directory.is_dir() else []
+
+
+def claim_output_dir(recipe, accelerator) -> None:
+    """A new run never silently replaces an earlier one (its checkpoint-final, its metrics, and its
+    checkpoint-<step> that resume_from=latest would later pick up): it is continued (resume_from),
+    removed on request (overwrite_output_dir), or refused. Every process checks; the main one removes."""
+    found = earlier_run_files(recipe.output_dir)
+    if not found:
+        return
+    names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
+    if recipe.overwrite_output_dir and recipe.resume_from is not None:
+        raise RecipeError(f"overwrite_output_dir=true removes the run in {recipe.output_dir} and resume_from="
+                          f"{recipe.resume_from} continues one: set only one of them")
+    if not recipe.overwrite_output_dir and recipe.resume_from is None:
+        raise RecipeError(f"output_dir={recipe.output_dir} holds an earlier run ({names}); a new run there would "
+                          "replace its checkpoint-final and metrics. Continue it with resume_from=latest, start over "
+                          "with overwrite_output_dir=true (removes those files only), or choose another output_dir")
+    accelerator.wait_for_everyone()  # every process has looked before the main one removes
+    if recipe.overwrite_output_dir and accelerator.is_main_process:
+        accelerator.print(f"overwrite_output_dir=true: removing {names} from {recipe.output_dir}")
+        for path in found:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    accelerator.wait_for_everyone()
 
 
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
@@ -519,6 +558,10 @@ def resume_checkpoint(recipe, family: str) -> Path | None:
     if recipe.resume_from == "latest":
         found = step_checkpoints(recipe.output_dir)
         resumable = [p for _, p in found if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+        if not resumable and (Path(recipe.output_dir) / "checkpoint-final").is_dir():
+            raise RecipeError(f"resume_from=latest: {recipe.output_dir} holds a finished run (checkpoint-final) and "
+                              "no resumable checkpoint-<step> to continue; set overwrite_output_dir=true (and "
+                              "resume_from=null) to train it again, or choose another output_dir")
         return resumable[-1] if resumable else None
     path = Path(recipe.resume_from)
     if not (path / TRAINER_DIR / POSITION_FILE).is_file():
@@ -529,8 +572,8 @@ def resume_checkpoint(recipe, family: str) -> Path | None:
 
 
 # Recipe keys that may change between a run and its resumption without changing what is trained.
-RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "output_dir", "max_steps", "log_every", "save_every",
-                     "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
+RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "output_dir", "max_steps",
+                     "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
 
 
 def recipe_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:

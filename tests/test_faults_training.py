@@ -15,6 +15,7 @@ import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint
+from drafters.recipe import RecipeError
 
 eagle, heads = load_script("train/eagle.py"), load_script("train/heads.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,3 +136,31 @@ def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
     train("recipes/eagle3_tiny.yaml", out, *LONG, "resume_from=latest")
     train("recipes/eagle3_tiny.yaml", whole, *LONG)
     assert_same_weights(whole, out)
+
+
+# ---- 3. a new run never silently replaces an earlier one ------------------------------------------
+
+
+def test_a_new_run_into_an_earlier_runs_directory_is_refused_unless_asked(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    train("recipes/eagle3_tiny.yaml", out, "max_steps=4", "save_every=2")
+    (out / "notes.txt").write_text("mine")  # not the trainer's: never removed
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    with pytest.raises(RecipeError, match=rf"output_dir={out} holds an earlier run \(checkpoint-2, checkpoint-final, "
+                                        r"eval.jsonl, metrics.jsonl\).*resume_from=latest.*overwrite_output_dir=true"):
+        train("recipes/eagle3_tiny.yaml", out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing touched
+    train("recipes/eagle3_tiny.yaml", out, "overwrite_output_dir=true")  # removes checkpoint-2: latest is this run's
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-final", "eval.jsonl",
+                                                     "metrics.jsonl", "notes.txt"]
+    assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_resume_latest_of_a_finished_run_without_step_checkpoints_is_refused(tmp_path):
+    out = tmp_path / "run"
+    train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0")
+    with pytest.raises(RecipeError, match=r"holds a finished run \(checkpoint-final\) and no resumable"):
+        train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0", "resume_from=latest")
+    with pytest.raises(RecipeError, match="set only one of them"):
+        train("recipes/eagle3_tiny.yaml", out, "resume_from=latest", "overwrite_output_dir=true")
