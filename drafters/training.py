@@ -606,9 +606,12 @@ def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bo
                           "allow_recipe_changes=true to continue with the new ones")
 
 
-def load_run_state(accelerator, path: Path) -> tuple[int, Position, int]:
+def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Position, int]:
     """Restores what save_run_checkpoint saved into the prepared objects -> (step, position, tokens)."""
     meta = json.loads((path / TRAINER_DIR / POSITION_FILE).read_text())
+    if meta["step"] > total_steps:  # else the final checkpoint would carry its weights under step total_steps
+        raise RecipeError(f"resume_from={path}: the checkpoint is at step {meta['step']}, past this run's last step "
+                          f"{total_steps} (max_steps / epochs); raise max_steps or resume an earlier checkpoint")
     if meta["num_processes"] != accelerator.num_processes:
         raise RecipeError(f"resume_from={path}: saved by {meta['num_processes']} processes, resumed with "
                           f"{accelerator.num_processes}; the data position and RNG states need the same count")

@@ -164,3 +164,14 @@ def test_resume_latest_of_a_finished_run_without_step_checkpoints_is_refused(tmp
         train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0", "resume_from=latest")
     with pytest.raises(RecipeError, match="set only one of them"):
         train("recipes/eagle3_tiny.yaml", out, "resume_from=latest", "overwrite_output_dir=true")
+
+
+# ---- 4. resuming a checkpoint past max_steps is refused -------------------------------------------
+
+
+def test_resuming_a_checkpoint_past_max_steps_is_refused(uninterrupted, tmp_path):
+    checkpoint = uninterrupted["recipes/medusa_tiny.yaml"] / "checkpoint-4"
+    with pytest.raises(RecipeError, match=rf"resume_from={checkpoint}: the checkpoint is at step 4, past this "
+                                          r"run's last step 2 \(max_steps / epochs\); raise max_steps or resume"):
+        train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}", "max_steps=2")
+    assert not (tmp_path / "run" / "checkpoint-final").exists()

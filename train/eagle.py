@@ -138,7 +138,7 @@ def main(argv: list[str]) -> Summary:
     output_dir = Path(recipe.output_dir)
     step, position, resumed = 0, Position(), None
     if resume is not None:
-        step, position, tokens = load_run_state(accelerator, resume)
+        step, position, tokens = load_run_state(accelerator, resume, total_steps)
         resumed = (step, tokens)
         say(f"eagle: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
     run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
