@@ -15,7 +15,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Literal
 
@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader
 
 from drafters.checkpoint import CheckpointError, check_target, prune_checkpoints, save_checkpoint, step_checkpoints
 from drafters.data import Example, build_examples, collate
-from drafters.recipe import RecipeError
+from drafters.hashing import data_sha256
+from drafters.recipe import RecipeError, to_dict
 from drafters.targets import Target
 
 
@@ -111,7 +112,6 @@ def start_run(recipe, script: str):
     device, the resume checks (before any work) and the train / held-out split.
     -> (accelerator, target, resume checkpoint or None, train rows, held-out rows)."""
     from drafters.checkpoint import load_checkpoint
-    from drafters.recipe import to_dict
     from drafters.targets import load_target
 
     if recipe.threads:
@@ -490,6 +490,15 @@ class RunBase:
     def reduce_sum(self, values: Tensor) -> Tensor:
         return self.accelerator.reduce(values, reduction="sum")
 
+    @cached_property
+    def data_hash(self) -> str | None:
+        return data_sha256(self.recipe.data.path)  # hashed once per run; resume compares it (check_resume)
+
+    def checkpoint_extra(self, step: int, result: dict | None) -> dict:
+        """What every family's checkpoint records about the run in drafter.json's extra."""
+        return {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result,
+                "data_sha256": self.data_hash}
+
     def periodic(self, step: int, total_steps: int, position: Position) -> None:
         if step == total_steps:
             return  # the end of main() evaluates and saves checkpoint-final
@@ -604,6 +613,18 @@ def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bo
         raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
                           + "\n  ".join(diff) + "\nresume with the original values, or set "
                           "allow_recipe_changes=true to continue with the new ones")
+    check_same_data(ckpt, recipe_dict["data"]["path"], allow_changes)
+
+
+def check_same_data(ckpt, path: str, allow_changes: bool) -> None:
+    # the split is a permutation of the usable rows: other bytes move training rows into the held-out set
+    saved = ckpt.extra.get("data_sha256")  # absent in checkpoints of older versions: nothing to compare
+    if saved is None or allow_changes or data_sha256(path) in (None, saved):
+        return
+    raise RecipeError(f"resume_from={ckpt.path}: data.path={path} changed since that checkpoint (its sha256 differs "
+                      "from the one the checkpoint recorded), so the train / held-out split would move and "
+                      "training rows could land in the held-out set; resume with the original file, or set "
+                      "allow_recipe_changes=true to continue on the new one")
 
 
 def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Position, int]:

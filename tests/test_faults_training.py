@@ -4,6 +4,7 @@ recipe mistakes are refused with a message (train/eagle.py, train/heads.py)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,3 +176,28 @@ def test_resuming_a_checkpoint_past_max_steps_is_refused(uninterrupted, tmp_path
                                           r"run's last step 2 \(max_steps / epochs\); raise max_steps or resume"):
         train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}", "max_steps=2")
     assert not (tmp_path / "run" / "checkpoint-final").exists()
+
+
+# ---- 5. resume notices a changed data file --------------------------------------------------------
+
+
+def test_resume_with_a_changed_data_file_is_refused_unless_allowed(tmp_path):
+    data, out = tmp_path / "data.jsonl", tmp_path / "run"
+    original = (ROOT / "tests/data/tiny_conversations.jsonl").read_text()
+    data.write_text(original)
+    train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "max_steps=4", "save_every=2")
+    data.write_text(original.replace("2+2 is 4.", "2+2 is four."))
+    with pytest.raises(RecipeError, match=rf"data.path={data} changed since that checkpoint.*held-out set.*"
+                                          "allow_recipe_changes=true"):
+        train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "resume_from=latest")
+    allowed = tmp_path / "allowed"
+    shutil.copytree(out, allowed)
+    assert train("recipes/eagle3_tiny.yaml", allowed, f"data.path={data}", "resume_from=latest",
+                 "allow_recipe_changes=true").steps == 6
+    # checkpoints of older versions recorded no hash: nothing to compare, resumed as before
+    meta_path = out / "checkpoint-2" / "drafter.json"  # the newest resumable one
+    meta = json.loads(meta_path.read_text())
+    del meta["extra"]["data_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    assert train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "resume_from=latest").steps == 6
+    assert load_checkpoint(out / "checkpoint-final").extra["data_sha256"] is not None

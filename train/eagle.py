@@ -52,7 +52,7 @@ from drafters.eagle1_training import (
 )
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.features import FeatureStore, offline_batches, offline_loader
-from drafters.recipe import RecipeError, load_recipe, to_dict
+from drafters.recipe import RecipeError, load_recipe
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -256,10 +256,9 @@ class Run(RunBase):
     def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
         """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
         self.tokens_total = self.log.tokens_total
-        extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result}
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
-                      "target": target_info(self.target),
-                      "state_dict": self.drafter.state_dict(), "extra": extra}
+                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(),
+                      "extra": self.checkpoint_extra(step, result)}
         if position is not None:
             return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
         if self.accelerator.is_main_process:

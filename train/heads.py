@@ -49,7 +49,7 @@ from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.proposers.heads import TREE_FILE
-from drafters.recipe import RecipeError, load_recipe, to_dict
+from drafters.recipe import RecipeError, load_recipe
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -297,8 +297,7 @@ class Run(RunBase):
         An evaluated checkpoint carries its calibrated tree (extra.tree and tree.json)."""
         self.tokens_total = self.log.tokens_total
         tree = None if result is None else result["tree"]
-        extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result,
-                 "tree": tree}
+        extra = {**self.checkpoint_extra(step, result), "tree": tree}
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
                       "target": target_info(self.target), "state_dict": self.drafter.state_dict(), "extra": extra}
         if position is not None:
