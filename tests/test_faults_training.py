@@ -201,3 +201,22 @@ def test_resume_with_a_changed_data_file_is_refused_unless_allowed(tmp_path):
     meta_path.write_text(json.dumps(meta))
     assert train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "resume_from=latest").steps == 6
     assert load_checkpoint(out / "checkpoint-final").extra["data_sha256"] is not None
+
+
+# ---- 6. values the trainer would quietly change or that export will refuse are said at the start ----
+
+
+def test_a_draft_vocab_larger_than_the_targets_is_said(tmp_path, capsys):
+    summary = train("recipes/eagle3_tiny.yaml", tmp_path / "run", "draft_vocab_size=300", "max_steps=1")
+    assert "draft_vocab_size=300 is larger than the target's vocabulary (259): using 259" in capsys.readouterr().out
+    assert summary.drafter.config.draft_vocab_size == 259
+
+
+def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
+    from drafters.recipe import load_recipe
+
+    for layers, warned in (("[2, 5]", True), ("[2, 4, 5]", False), ("null", False)):
+        eagle.check(load_recipe("recipes/eagle3_tiny.yaml", [f"layers={layers}"], schema=eagle.Recipe))
+        out = capsys.readouterr().out
+        assert ("layers=[2, 5] are 2 aux layers: training works, but export to sglang / vllm will refuse the "
+                "drafter (both engines build fc for exactly 3)" in out) == warned, out

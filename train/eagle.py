@@ -51,6 +51,7 @@ from drafters.eagle1_training import (
     evaluate_eagle1,
 )
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
+from drafters.export import ENGINE_AUX_LAYERS
 from drafters.features import FeatureStore, offline_batches, offline_loader
 from drafters.recipe import RecipeError, load_recipe
 from drafters.targets import Target
@@ -76,7 +77,7 @@ from drafters.training import (
 class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, checkpoints, logging
     drafter: Literal["eagle3", "eagle1"] = "eagle3"
     output_dir: str = "outputs/eagle3"
-    draft_vocab_size: int = 32000  # capped at the target vocab
+    draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
     layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
     ttt_steps: int = 7
     step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
@@ -108,6 +109,9 @@ def main(argv: list[str]) -> Summary:
         store.check(recipe, target)
         say(store.summary())
     if recipe.drafter == "eagle3":
+        if recipe.draft_vocab_size > target.vocab_size:
+            say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
+                f"({target.vocab_size}): using {target.vocab_size}")
         vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
                                   min(recipe.draft_vocab_size, target.vocab_size))
         set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
@@ -179,6 +183,10 @@ def check(recipe: Recipe) -> None:
     problems += check_eagle1(recipe)
     if problems:
         raise RecipeError("recipe: " + "; ".join(problems))
+    if recipe.drafter == "eagle3" and recipe.layers is not None and len(recipe.layers) != ENGINE_AUX_LAYERS:
+        print(f"eagle: warning: layers={recipe.layers} are {len(recipe.layers)} aux layers: training works, but "
+              f"export to sglang / vllm will refuse the drafter (both engines build fc for exactly "
+              f"{ENGINE_AUX_LAYERS}); only --format native keeps it")
 
 
 # ---- set-up ---------------------------------------------------------------------------------------
