@@ -8,6 +8,7 @@ wrong type. This module knows nothing about targets, drafters or training.
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,16 @@ T = TypeVar("T")
 
 class RecipeError(ValueError):
     pass
+
+
+def run_main(main) -> None:
+    """An entry script's `if __name__ == "__main__":` - main(sys.argv[1:]), where a RecipeError (a wrong
+    recipe, what to do about it) prints `error: <message>` and exits 2, without a traceback."""
+    try:
+        main(sys.argv[1:])
+    except RecipeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:

@@ -220,3 +220,18 @@ def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
         out = capsys.readouterr().out
         assert ("layers=[2, 5] are 2 aux layers: training works, but export to sglang / vllm will refuse the "
                 "drafter (both engines build fc for exactly 3)" in out) == warned, out
+
+
+# ---- 7. messages, not tracebacks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script, recipe", [("train/eagle.py", "recipes/eagle3_tiny.yaml"),
+                                            ("train/heads.py", "recipes/medusa_tiny.yaml"),
+                                            ("train/features.py", "recipes/eagle1_tiny.yaml"),
+                                            ("train/regenerate.py", "recipes/tiny_regenerate.yaml")])
+def test_a_recipe_error_prints_only_its_message(script, recipe):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, script, recipe, "bogus_key=1"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(f"error: {recipe}: unknown key 'bogus_key'")

@@ -26,7 +26,6 @@ processes. Knows nothing about decoding trees or export formats.
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -53,7 +52,7 @@ from drafters.eagle1_training import (
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.export import ENGINE_AUX_LAYERS
 from drafters.features import FeatureStore, offline_batches, offline_loader
-from drafters.recipe import RecipeError, load_recipe
+from drafters.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -334,4 +333,4 @@ def format_eval(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

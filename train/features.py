@@ -13,14 +13,13 @@ Implemented for drafter=eagle1 (EAGLE-3 trains online).
 """
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
 from drafters.data import build_examples
 from drafters.features import features_header, write_features
-from drafters.recipe import RecipeError, load_recipe
+from drafters.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
 
 
@@ -59,4 +58,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

@@ -31,7 +31,6 @@ processes. Knows nothing about decoding or export formats.
 """
 
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,7 +48,7 @@ from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.proposers.heads import TREE_FILE
-from drafters.recipe import RecipeError, load_recipe
+from drafters.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -383,4 +382,4 @@ def format_eval(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)
