@@ -23,7 +23,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from drafters.checkpoint import CheckpointError, check_target, prune_checkpoints, save_checkpoint, step_checkpoints
+from drafters.checkpoint import (
+    CheckpointError,
+    check_target,
+    damage,
+    prune_checkpoints,
+    save_checkpoint,
+    step_checkpoints,
+)
 from drafters.data import Example, build_examples, collate
 from drafters.hashing import data_sha256
 from drafters.recipe import RecipeError, to_dict
@@ -120,7 +127,7 @@ def start_run(recipe, script: str):
     claim_output_dir(recipe, accelerator)
     target = load_target(recipe.target, dtype=recipe.dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
-    resume = resume_checkpoint(recipe, recipe.drafter)
+    resume = resume_checkpoint(recipe, accelerator.print)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
     train_rows, held_out = load_examples(recipe, target, accelerator.print)
@@ -559,24 +566,38 @@ def save_run_checkpoint(accelerator, path: Path, step: int, position: Position, 
     return path
 
 
-def resume_checkpoint(recipe, family: str) -> Path | None:
-    """recipe.resume_from: null (fresh run), 'latest' (newest checkpoint-<step> of output_dir, or a
-    fresh run when there is none) or a checkpoint directory."""
+def resume_checkpoint(recipe, say) -> Path | None:
+    """recipe.resume_from: null (fresh run), 'latest' (newest complete checkpoint-<step> of output_dir,
+    skipping damaged ones with a printed line; a fresh run when there is none) or a checkpoint directory."""
     if recipe.resume_from is None:
         return None
-    if recipe.resume_from == "latest":
-        found = step_checkpoints(recipe.output_dir)
-        resumable = [p for _, p in found if (p / TRAINER_DIR / POSITION_FILE).is_file()]
-        if not resumable and (Path(recipe.output_dir) / "checkpoint-final").is_dir():
-            raise RecipeError(f"resume_from=latest: {recipe.output_dir} holds a finished run (checkpoint-final) and "
-                              "no resumable checkpoint-<step> to continue; set overwrite_output_dir=true (and "
-                              "resume_from=null) to train it again, or choose another output_dir")
-        return resumable[-1] if resumable else None
-    path = Path(recipe.resume_from)
+    if recipe.resume_from != "latest":
+        return resumable(Path(recipe.resume_from))
+    found = [p for _, p in step_checkpoints(recipe.output_dir) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+    if not found and (Path(recipe.output_dir) / "checkpoint-final").is_dir():
+        raise RecipeError(f"resume_from=latest: {recipe.output_dir} holds a finished run (checkpoint-final) and "
+                          "no resumable checkpoint-<step> to continue; set overwrite_output_dir=true (and "
+                          "resume_from=null) to train it again, or choose another output_dir")
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            return path
+        say(f"resume_from=latest: skipping {path}, it is incomplete: {problem}")
+    if found:
+        raise RecipeError(f"resume_from=latest: every checkpoint in {recipe.output_dir} is damaged (see above); "
+                          "set overwrite_output_dir=true (and resume_from=null) to start over")
+    return None
+
+
+def resumable(path: Path) -> Path:
     if not (path / TRAINER_DIR / POSITION_FILE).is_file():
         raise RecipeError(f"resume_from={path}: not a resumable checkpoint (no {TRAINER_DIR}/{POSITION_FILE}); "
                           "checkpoint-<step> directories of a training run are, exported ones and "
                           "checkpoint-final are not")
+    problem = damage(path)
+    if problem is not None:
+        raise RecipeError(f"resume_from={path}: the checkpoint is incomplete: {problem}; resume an earlier one "
+                          "(resume_from=latest skips damaged checkpoints)")
     return path
 
 

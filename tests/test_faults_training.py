@@ -235,3 +235,26 @@ def test_a_recipe_error_prints_only_its_message(script, recipe):
                           text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1].startswith(f"error: {recipe}: unknown key 'bogus_key'")
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def test_a_truncated_checkpoint_is_named_and_latest_falls_back_to_the_previous_one(uninterrupted, tmp_path,
+                                                                                    capsys):
+    from drafters.checkpoint import CheckpointError
+
+    out = tmp_path / "run"
+    train("recipes/eagle3_tiny.yaml", out, "save_every=2")
+    truncate(out / "checkpoint-4" / "trainer" / "optimizer.bin")
+    truncate(out / "checkpoint-final" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"{out / 'checkpoint-final' / 'model.safetensors'}: cannot be read"):
+        load_checkpoint(out / "checkpoint-final")
+    with pytest.raises(RecipeError, match=rf"resume_from={out / 'checkpoint-4'}: the checkpoint is incomplete: "
+                                          rf"{out / 'checkpoint-4' / 'trainer' / 'optimizer.bin'}: truncated"):
+        train("recipes/eagle3_tiny.yaml", out, "save_every=2", f"resume_from={out / 'checkpoint-4'}")
+    capsys.readouterr()
+    train("recipes/eagle3_tiny.yaml", out, "save_every=2", "resume_from=latest")
+    assert f"resume_from=latest: skipping {out / 'checkpoint-4'}, it is incomplete" in capsys.readouterr().out
+    assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
