@@ -6,6 +6,7 @@ bucketed loader, the step plan and lr schedule, and the metrics JSONL writer. Fu
 every family's Recipe dataclass works with them. Knows nothing about drafters or losses.
 """
 
+import errno
 import json
 import math
 import re
@@ -13,7 +14,7 @@ import shutil
 import signal
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
@@ -537,12 +538,25 @@ def check_finite(loss: Tensor, step: int, run, passes: int, micro: int, grad_acc
 TRAINER_DIR, POSITION_FILE = "trainer", "position.json"
 
 
-def save_run_checkpoint(accelerator, path: Path, step: int, position: Position, tokens: int, **checkpoint) -> Path:
+def save_run_checkpoint(accelerator, path: Path, step: int, position: Position | None, tokens: int,
+                        **checkpoint) -> Path:
     """A checkpoint that also resumes: the drafter files (drafters.checkpoint) plus trainer/ =
     accelerate's state (optimizer, lr scheduler, RNG states of every process, and the prepared
     model, sharded as the engine shards it) and the data position, all in one atomic write.
-    Called by every process; `checkpoint` = save_checkpoint's keyword arguments."""
+    position None: the drafter files only (checkpoint-final), by the main process. Called by every
+    process; `checkpoint` = save_checkpoint's keyword arguments."""
     path = Path(path)
+    with disk_full_says(path):
+        if position is None:
+            if accelerator.is_main_process:
+                save_checkpoint(path, **checkpoint)
+        else:
+            save_resumable(accelerator, path, step, position, tokens, checkpoint)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def save_resumable(accelerator, path: Path, step: int, position: Position, tokens: int, checkpoint: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-resumable")
     if accelerator.is_main_process:
         if tmp.exists():
@@ -562,8 +576,21 @@ def save_run_checkpoint(accelerator, path: Path, step: int, position: Position, 
                 {"step": step, "passes": position.passes, "micro": position.micro, "tokens": tokens,
                  "num_processes": accelerator.num_processes}))
         save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
-    accelerator.wait_for_everyone()
-    return path
+
+
+@contextmanager
+def disk_full_says(path: Path):
+    """A full disk while saving ends the run with what to do (the writes are atomic: the temporary
+    directory is gone and earlier checkpoints are intact), not an OSError traceback."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        saved = [p for _, p in step_checkpoints(path.parent) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+        then = f"resume from {saved[-1]} (resume_from=latest)" if saved else "run again (no checkpoint was saved yet)"
+        raise SystemExit(f"no space left on device while writing {path.name} to {path.parent}; nothing was "
+                         f"half-written; free space and {then}") from None
 
 
 def resume_checkpoint(recipe, say) -> Path | None:

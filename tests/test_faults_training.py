@@ -258,3 +258,26 @@ def test_a_truncated_checkpoint_is_named_and_latest_falls_back_to_the_previous_o
     train("recipes/eagle3_tiny.yaml", out, "save_every=2", "resume_from=latest")
     assert f"resume_from=latest: skipping {out / 'checkpoint-4'}, it is incomplete" in capsys.readouterr().out
     assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
+
+
+def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+    import errno
+
+    from drafters import checkpoint
+
+    out, save_file = tmp_path / "run", checkpoint.save_file
+    saves = {"n": 0}
+
+    def full_at_the_second_save(*args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_at_the_second_save)
+    with pytest.raises(SystemExit) as stopped:
+        train("recipes/eagle3_tiny.yaml", out, "save_every=2")
+    assert str(stopped.value) == (f"no space left on device while writing checkpoint-4 to {out}; nothing was "
+                                  f"half-written; free space and resume from {out / 'checkpoint-2'} "
+                                  "(resume_from=latest)")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "eval.jsonl", "metrics.jsonl"]

@@ -36,7 +36,7 @@ from accelerate.utils import set_seed
 from torch import nn
 from tqdm import tqdm
 
-from drafters.checkpoint import save_checkpoint, target_info
+from drafters.checkpoint import target_info
 from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle1 import Eagle1Drafter
@@ -266,12 +266,7 @@ class Run(RunBase):
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
                       "target": target_info(self.target), "state_dict": self.drafter.state_dict(),
                       "extra": self.checkpoint_extra(step, result)}
-        if position is not None:
-            return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
-        if self.accelerator.is_main_process:
-            save_checkpoint(path, **checkpoint)
-        self.accelerator.wait_for_everyone()
-        return path
+        return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
 
     def evaluate(self, step: int) -> dict | None:
         result = None

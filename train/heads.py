@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
-from drafters.checkpoint import save_checkpoint, target_info
+from drafters.checkpoint import target_info
 from drafters.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
@@ -299,10 +299,7 @@ class Run(RunBase):
         extra = {**self.checkpoint_extra(step, result), "tree": tree}
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
                       "target": target_info(self.target), "state_dict": self.drafter.state_dict(), "extra": extra}
-        if position is not None:
-            save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
-        elif self.accelerator.is_main_process:
-            save_checkpoint(path, **checkpoint)
+        save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
         if self.accelerator.is_main_process and tree is not None:  # a copy of extra.tree, for --tree static:
             (path / TREE_FILE).write_text(json.dumps(tree["paths"]) + "\n")
         self.accelerator.wait_for_everyone()
