@@ -34,7 +34,7 @@ from drafters.checkpoint import (
 )
 from drafters.data import Example, build_examples, collate
 from drafters.hashing import data_sha256
-from drafters.recipe import RecipeError, to_dict
+from drafters.recipe import RecipeError, build, read_recipe, to_dict
 from drafters.targets import Target
 
 
@@ -89,6 +89,21 @@ class TrainRecipe:
 
 
 
+# The entry script that trains each drafter family.
+FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "medusa": "train/heads.py",
+                  "blockwise": "train/heads.py"}
+
+
+def load_train_recipe(argv: list[str], schema, script: str):
+    """load_recipe, except that a recipe of another script's family is sent to that script instead of
+    failing on the first key of its family (medusa's num_heads: 'did you mean threads?')."""
+    raw = read_recipe(argv[0], argv[1:])
+    drafter = raw.get("drafter")
+    if isinstance(drafter, str) and FAMILY_SCRIPTS.get(drafter, script) != script:
+        raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {FAMILY_SCRIPTS[drafter]}")
+    return build(schema, raw, where=argv[0])
+
+
 def make_accelerator(recipe, script: str):
     """The Accelerator of a training run. Without a GPU, cpu=True makes torchrun / accelerate launch
     with several processes run gloo DDP instead of independent copies; DeepSpeed (an accelerate
@@ -100,6 +115,9 @@ def make_accelerator(recipe, script: str):
     from accelerate.utils import InitProcessGroupKwargs
 
     gpu = torch.accelerator.is_available()
+    if recipe.mixed_precision == "fp16" and not gpu:  # accelerate would train in fp32 and report fp16
+        raise RecipeError("mixed_precision=fp16 needs a GPU: on a CPU accelerate leaves fp16 autocast off and "
+                          "trains in fp32; use mixed_precision=bf16 (CPU autocast) or mixed_precision=no")
     deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision, kwargs_handlers=handlers,

@@ -281,3 +281,44 @@ def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoi
                                   f"half-written; free space and resume from {out / 'checkpoint-2'} "
                                   "(resume_from=latest)")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "eval.jsonl", "metrics.jsonl"]
+
+
+# ---- 8. small traps --------------------------------------------------------------------------------
+
+
+def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
+    import dataclasses
+    from typing import Literal
+
+    from drafters.recipe import load_recipe
+
+    @dataclasses.dataclass
+    class Schema:
+        precision: Literal["no", "bf16", "fp16"] = "bf16"
+        switch: Literal["on", "off", "auto"] = "auto"
+        mode: Literal["online", "offline"] = "online"
+
+    path = tmp_path / "r.yaml"
+    path.write_text("precision: no\nswitch: off\n")
+    assert load_recipe(path, schema=Schema) == Schema(precision="no", switch="off")
+    assert load_recipe(path, ["precision=no", "switch=on"], schema=Schema) == Schema(precision="no", switch="on")
+    with pytest.raises(RecipeError, match=r"mode: True is not one of 'online', 'offline'"):
+        load_recipe(path, ["mode=yes"], schema=Schema)  # no word of this Literal: still refused
+    recipe = load_recipe("recipes/eagle3_tiny.yaml", ["mixed_precision=no"], schema=eagle.Recipe)
+    assert recipe.mixed_precision == "no"
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="fp16 autocast is real on a GPU")
+def test_fp16_on_a_cpu_is_refused_instead_of_training_in_fp32(tmp_path):
+    with pytest.raises(RecipeError, match=r"mixed_precision=fp16 needs a GPU.*use mixed_precision=bf16"):
+        train("recipes/eagle3_tiny.yaml", tmp_path / "run", "mixed_precision=fp16")
+
+
+@pytest.mark.parametrize("script, recipe, other", [(eagle, "recipes/medusa_tiny.yaml", "train/heads.py"),
+                                                   (eagle, "recipes/blockwise_tiny.yaml", "train/heads.py"),
+                                                   (heads, "recipes/eagle3_tiny.yaml", "train/eagle.py"),
+                                                   (heads, "recipes/eagle1_tiny.yaml", "train/eagle.py")])
+def test_a_recipe_for_the_other_script_names_that_script(tmp_path, script, recipe, other):
+    drafter = Path(recipe).stem.removesuffix("_tiny")
+    with pytest.raises(RecipeError, match=rf"^recipe {recipe} trains drafter={drafter}: run it with {other}$"):
+        script.main([recipe, f"output_dir={tmp_path}"])

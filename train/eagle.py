@@ -52,7 +52,7 @@ from drafters.eagle1_training import (
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.export import ENGINE_AUX_LAYERS
 from drafters.features import FeatureStore, offline_batches, offline_loader
-from drafters.recipe import RecipeError, load_recipe, run_main
+from drafters.recipe import RecipeError, run_main
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -61,6 +61,7 @@ from drafters.training import (
     TrainRecipe,
     length_sorted_batches,
     load_run_state,
+    load_train_recipe,
     lr_factor,
     pad_id,
     plan_steps,
@@ -98,7 +99,7 @@ class Summary:
 def main(argv: list[str]) -> Summary:
     if not argv:
         raise SystemExit("usage: python train/eagle.py RECIPE.yaml [key=value ...]")
-    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    recipe = load_train_recipe(argv, Recipe, "train/eagle.py")
     check(recipe)
     accelerator, target, resume, train_rows, held_out = start_run(recipe, "eagle")
     say = accelerator.print

@@ -48,7 +48,7 @@ from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.proposers.heads import TREE_FILE
-from drafters.recipe import RecipeError, load_recipe, run_main
+from drafters.recipe import RecipeError, run_main
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -57,6 +57,7 @@ from drafters.training import (
     TrainRecipe,
     length_sorted_batches,
     load_run_state,
+    load_train_recipe,
     lr_factor,
     pad_id,
     plan_steps,
@@ -114,7 +115,7 @@ class Summary:
 def main(argv: list[str]) -> Summary:
     if not argv:
         raise SystemExit("usage: python train/heads.py RECIPE.yaml [key=value ...]")
-    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    recipe = load_train_recipe(argv, Recipe, "train/heads.py")
     check(recipe)
     accelerator, target, resume, train_rows, held_out = start_run(recipe, "heads")
     say = accelerator.print
