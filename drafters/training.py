@@ -1,7 +1,10 @@
 """Family-agnostic pieces of the training scripts (train/eagle.py, train/heads.py).
 
 Recipe sections shared by every family (`Data`, `Optim`), the train / held-out split, the length-
-bucketed loader, the step plan and lr schedule, and the metrics JSONL writer. Functions that take a
+bucketed loader, the step plan and lr schedule, the metrics JSONL writer, and the run's faults: the
+loop stops for SIGINT / SIGTERM only at a step boundary, a new run never replaces an earlier one in
+output_dir unasked, resume refuses a damaged checkpoint, changed data or a step past max_steps, a full
+disk says which checkpoint to resume from. Functions that take a
 `recipe` read only the fields they name (data, batch_size, seed, epochs, max_steps, grad_accum), so
 every family's Recipe dataclass works with them. Knows nothing about drafters or losses.
 """
