@@ -18,11 +18,13 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 FORMAT = "drafters/1"
@@ -109,8 +111,11 @@ def load_checkpoint(path, *, family: str | None = None) -> Checkpoint:
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{path}: {WEIGHTS_FILE} is missing; the checkpoint is incomplete")
-    return Checkpoint(path, meta["family"], meta["config"], meta["target"], meta.get("extra", {}),
-                      load_file(weights))
+    try:
+        state_dict = load_file(weights)
+    except SafetensorError as err:
+        raise CheckpointError(f"{weights}: cannot be read ({err}); the checkpoint is truncated or corrupt") from None
+    return Checkpoint(path, meta["family"], meta["config"], meta["target"], meta.get("extra", {}), state_dict)
 
 
 def check_target(checkpoint: Checkpoint, target) -> None:
@@ -128,6 +133,43 @@ def _fsync_tree(path: Path) -> None:
         if file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
+
+
+def damage(path) -> str | None:
+    """What makes a checkpoint directory unreadable, from headers only (cheap): drafter.json must
+    parse, every *.safetensors be as long as its header says, every torch file (*.bin, *.pkl, *.pt,
+    e.g. an optimizer state) end in its zip directory, which a truncated write loses. None: complete."""
+    path = Path(path)
+    try:
+        json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return f"{path / CONFIG_FILE}: unreadable ({err})"
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        if file.suffix == ".safetensors":
+            problem = _safetensors_damage(file)
+        elif file.suffix in (".bin", ".pkl", ".pt"):
+            problem = None if zipfile.is_zipfile(file) else "truncated or corrupt (no zip directory at its end)"
+        else:
+            continue
+        if problem:
+            return f"{file}: {problem}"
+    return None
+
+
+def _safetensors_damage(file: Path) -> str | None:
+    # layout: 8-byte little-endian header length n, n bytes of JSON header, then the tensors' bytes
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n)) if len(head) == 8 else None
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        return "truncated or corrupt header"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    size = file.stat().st_size
+    return f"truncated ({size} bytes, its header needs {8 + n + end})" if size < 8 + n + end else None
 
 
 STEP_CHECKPOINT = re.compile(r"checkpoint-(\d+)")

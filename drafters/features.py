@@ -29,7 +29,6 @@ target, storage layout or family, and checks every example's tokens and loss mas
 Knows nothing about drafters or training loops; `header` comes from the caller (train/features.py).
 """
 
-import hashlib
 import json
 import math
 import os
@@ -48,6 +47,7 @@ from tqdm import tqdm
 from drafters.checkpoint import target_info
 from drafters.data import Example, collate
 from drafters.eagle3 import fuse_features
+from drafters.hashing import data_sha256
 from drafters.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
 from drafters.training import LengthBuckets, num_tokens
@@ -99,22 +99,6 @@ def features_header(recipe, target) -> dict:
         "data": {"sha256": data_sha256(recipe.data.path), **{k: data[k] for k in DATA_FIELDS},
                  "recipe_section": data},
     }
-
-
-def data_sha256(path: str) -> str | None:
-    """sha256 of the data file's bytes (a folder: of every file's relative path and bytes, sorted);
-    None for a Hub dataset name (no local bytes: the per-example token check still runs)."""
-    root = Path(path)
-    if not root.exists():
-        return None
-    digest = hashlib.sha256()
-    for file in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
-        if file != root:
-            digest.update(str(file.relative_to(root)).encode() + b"\0")
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def header_mismatch(stored: dict, current: dict) -> tuple[str, object, object] | None:

@@ -1,6 +1,6 @@
-"""sha256 of files and directories by content, for caches and provenance that must not trust a name.
-
-Knows nothing about what the files hold.
+"""sha256 of files and directories by content, for caches, resumes and provenance that must not trust a
+name (offline features and resumed runs: the data file; tau caches and merges: a drafter's files; the GGUF
+cache: a target file). Knows nothing about what the files hold.
 """
 
 import hashlib
@@ -26,6 +26,15 @@ def dir_sha256(path, names=None) -> str:
             _update(digest, root / name)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def data_sha256(path: str) -> str | None:
+    """A data.path's content: its file's sha256, a folder's dir_sha256; None for a Hub dataset name (no
+    local bytes: the per-example token check of offline features still runs)."""
+    root = Path(path)
+    if not root.exists():
+        return None
+    return file_sha256(root) if root.is_file() else dir_sha256(root)
 
 
 def _update(digest, file: Path) -> None:

@@ -8,6 +8,7 @@ wrong type. This module knows nothing about targets, drafters or training.
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -22,7 +23,22 @@ class RecipeError(ValueError):
     pass
 
 
+def run_main(main) -> None:
+    """An entry script's `if __name__ == "__main__":` - main(sys.argv[1:]), where a RecipeError (a wrong
+    recipe, what to do about it) prints `error: <message>` and exits 2, without a traceback."""
+    try:
+        main(sys.argv[1:])
+    except RecipeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
+    return build(schema, read_recipe(path, overrides), where=str(path))
+
+
+def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """The recipe file with the overrides applied, as plain YAML data (not yet checked against a schema)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {path} not found")
@@ -34,7 +50,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type
         raise RecipeError(f"{path}: a recipe must be a mapping of keys to values, got {type(raw).__name__}")
     for override in overrides:
         apply_override(raw, override)
-    return build(schema, raw, where=str(path))
+    return raw
 
 
 def apply_override(raw: dict, override: str) -> None:
@@ -78,6 +94,9 @@ def build(schema: type[T], raw: dict, where: str) -> T:
     return schema(**values)
 
 
+YAML_BOOL_WORDS = {True: ("yes", "on", "true", "y"), False: ("no", "off", "false", "n")}
+
+
 def coerce(annotation: Any, value: Any, key: str) -> Any:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if dataclasses.is_dataclass(annotation):
@@ -95,6 +114,10 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
                 errors.append(str(err))
         raise RecipeError(f"{key}: {value!r} fits none of {annotation}")
     if origin is typing.Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads unquoted no / off / yes / on as booleans
+            words = [a for a in args if isinstance(a, str) and a.lower() in YAML_BOOL_WORDS[value]]
+            if len(words) == 1:  # mixed_precision: no -> "no"
+                return words[0]
         if value not in args:
             raise RecipeError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value

@@ -1,18 +1,25 @@
 """Family-agnostic pieces of the training scripts (train/eagle.py, train/heads.py).
 
 Recipe sections shared by every family (`Data`, `Optim`), the train / held-out split, the length-
-bucketed loader, the step plan and lr schedule, and the metrics JSONL writer. Functions that take a
+bucketed loader, the step plan and lr schedule, the metrics JSONL writer, and the run's faults: the
+loop stops for SIGINT / SIGTERM only at a step boundary, a new run never replaces an earlier one in
+output_dir unasked, resume refuses a damaged checkpoint, changed data or a step past max_steps, a full
+disk says which checkpoint to resume from. Functions that take a
 `recipe` read only the fields they name (data, batch_size, seed, epochs, max_steps, grad_accum), so
 every family's Recipe dataclass works with them. Knows nothing about drafters or losses.
 """
 
+import errno
 import json
 import math
+import re
 import shutil
+import signal
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Literal
 
@@ -20,9 +27,17 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from drafters.checkpoint import CheckpointError, check_target, prune_checkpoints, save_checkpoint, step_checkpoints
+from drafters.checkpoint import (
+    CheckpointError,
+    check_target,
+    damage,
+    prune_checkpoints,
+    save_checkpoint,
+    step_checkpoints,
+)
 from drafters.data import Example, build_examples, collate
-from drafters.recipe import RecipeError
+from drafters.hashing import data_sha256
+from drafters.recipe import RecipeError, build, read_recipe, to_dict
 from drafters.targets import Target, resolve_precision
 
 
@@ -72,9 +87,26 @@ class TrainRecipe:
     eval_every: int = 0  # 0 = only at the end
     resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
     allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    overwrite_output_dir: bool = False  # a new run into an output_dir holding an earlier run: remove that run's
+    #                                     checkpoint-<step>/final, metrics.jsonl and eval.jsonl first (else refused)
     wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
     wandb_name: str | None = None  # the wandb run name; null = wandb's
 
+
+
+# The entry script that trains each drafter family.
+FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "medusa": "train/heads.py",
+                  "blockwise": "train/heads.py"}
+
+
+def load_train_recipe(argv: list[str], schema, script: str):
+    """load_recipe, except that a recipe of another script's family is sent to that script instead of
+    failing on the first key of its family (medusa's num_heads: 'did you mean threads?')."""
+    raw = read_recipe(argv[0], argv[1:])
+    drafter = raw.get("drafter")
+    if isinstance(drafter, str) and FAMILY_SCRIPTS.get(drafter, script) != script:
+        raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {FAMILY_SCRIPTS[drafter]}")
+    return build(schema, raw, where=argv[0])
 
 
 def make_accelerator(recipe, script: str):
@@ -88,6 +120,9 @@ def make_accelerator(recipe, script: str):
     from accelerate.utils import InitProcessGroupKwargs
 
     gpu = torch.accelerator.is_available()
+    if recipe.mixed_precision == "fp16" and not gpu:  # accelerate would train in fp32 and report fp16
+        raise RecipeError("mixed_precision=fp16 needs a GPU: on a CPU accelerate leaves fp16 autocast off and "
+                          "trains in fp32; use mixed_precision=bf16 (CPU autocast) or mixed_precision=no")
     deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
     mixed_precision = resolve_precision("auto", recipe.mixed_precision)[1]
@@ -109,21 +144,56 @@ def start_run(recipe, script: str):
     device, the resume checks (before any work) and the train / held-out split.
     -> (accelerator, target, resume checkpoint or None, train rows, held-out rows)."""
     from drafters.checkpoint import load_checkpoint
-    from drafters.recipe import to_dict
     from drafters.targets import load_target
 
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     accelerator = make_accelerator(recipe, script)
+    claim_output_dir(recipe, accelerator)
     dtype, _, precision = resolve_precision(recipe.dtype, recipe.mixed_precision, accelerator.device)
     accelerator.print(precision)
     target = load_target(recipe.target, dtype=dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
-    resume = resume_checkpoint(recipe, recipe.drafter)
+    resume = resume_checkpoint(recipe, accelerator.print)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
     train_rows, held_out = load_examples(recipe, target, accelerator.print)
     return accelerator, target, resume, train_rows, held_out
+
+
+# What a run writes into output_dir: what a new run would replace and overwrite_output_dir removes.
+RUN_FILES = re.compile(r"checkpoint-(\d+|final)|metrics\.jsonl|eval\.jsonl")
+
+
+def earlier_run_files(output_dir) -> list[Path]:
+    directory = Path(output_dir)
+    return sorted(p for p in directory.iterdir() if RUN_FILES.fullmatch(p.name)) if directory.is_dir() else []
+
+
+def claim_output_dir(recipe, accelerator) -> None:
+    """A new run never silently replaces an earlier one (its checkpoint-final, its metrics, and its
+    checkpoint-<step> that resume_from=latest would later pick up): it is continued (resume_from),
+    removed on request (overwrite_output_dir), or refused. Every process checks; the main one removes."""
+    found = earlier_run_files(recipe.output_dir)
+    if not found:
+        return
+    names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
+    if recipe.overwrite_output_dir and recipe.resume_from is not None:
+        raise RecipeError(f"overwrite_output_dir=true removes the run in {recipe.output_dir} and resume_from="
+                          f"{recipe.resume_from} continues one: set only one of them")
+    if not recipe.overwrite_output_dir and recipe.resume_from is None:
+        raise RecipeError(f"output_dir={recipe.output_dir} holds an earlier run ({names}); a new run there would "
+                          "replace its checkpoint-final and metrics. Continue it with resume_from=latest, start over "
+                          "with overwrite_output_dir=true (removes those files only), or choose another output_dir")
+    accelerator.wait_for_everyone()  # every process has looked before the main one removes
+    if recipe.overwrite_output_dir and accelerator.is_main_process:
+        accelerator.print(f"overwrite_output_dir=true: removing {names} from {recipe.output_dir}")
+        for path in found:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    accelerator.wait_for_everyone()
 
 
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
@@ -344,15 +414,46 @@ class Position:
     micro: int = 0
 
 
+class StopRequests:
+    """While the loop runs, SIGINT (Ctrl-C) and SIGTERM (schedulers, `kill`) only record that a stop
+    was asked for; train_loop honours it at the next optimizer-step boundary, so a checkpoint never
+    holds part of a step (e.g. Adam's step count moved on some parameters only). A second signal
+    stops at once, saving nothing. The previous handlers are restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.signal, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self.previous = {s: signal.signal(s, self.record) for s in self.SIGNALS}
+        return self
+
+    def record(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped without saving")
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def agreed(self, accelerator) -> bool:
+        # every process must stop at the same step; one collective per step with several processes
+        if accelerator.num_processes == 1:
+            return self.signal is not None
+        flag = torch.tensor(float(self.signal is not None), device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum") > 0)
+
+
 def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_steps: int,
                start_step: int = 0, start: Position | None = None) -> list[float]:
     """Optimizer steps start_step+1 .. total_steps. `run` (a training script's Run) provides
     micro_step(batch, acc) -> summed metric tensors, log (MetricsLog), flush_due(step, total),
     reduce_sum, periodic(step, total, position) (evaluation, checkpoints), save(path, step,
     result, position), rows_of(pass, micro) -> 'file:line' of a micro-batch's rows, recipe,
-    accelerator and objective. Ctrl-C saves a resumable checkpoint of the last finished step; a
-    non-finite loss stops before the optimizer applies it (the last checkpoint stays the last
-    good one)."""
+    accelerator and objective. Ctrl-C or SIGTERM lets the running step finish, then saves a
+    resumable checkpoint of it (StopRequests); a non-finite loss stops before the optimizer applies
+    it (the last checkpoint stays the last good one)."""
     from tqdm import tqdm
 
     recipe, accelerator, objective = run.recipe, run.accelerator, run.objective
@@ -365,7 +466,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                dynamic_ncols=True)
     objective.train()
     acc = None
-    try:
+    with StopRequests() as stop:
         while step < total_steps:
             for batch in loader:
                 micro += 1
@@ -390,19 +491,25 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                 if run.flush_due(step, total_steps):
                     bar.set_postfix_str(run.log.flush(run.reduce_sum, accelerator.num_processes))
                 run.periodic(step, total_steps, position)
+                if stop.agreed(accelerator):  # the step boundary: nothing of the next step has run
+                    bar.close()
+                    save_and_exit(run, step, position, stop.signal)
                 if step == total_steps:
                     break
             else:
                 passes, micro = passes + 1, 0
-    except KeyboardInterrupt:
-        bar.close()
-        if run.log.pending:
-            run.log.flush(run.reduce_sum, accelerator.num_processes)
-        path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
-        raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
-                         f"resume_from={path} (or resume_from=latest)") from None
     bar.close()
     return run.log.losses
+
+
+def save_and_exit(run, step: int, position: Position, signal_name: str | None) -> None:
+    accelerator = run.accelerator
+    if run.log.pending:
+        run.log.flush(run.reduce_sum, accelerator.num_processes)
+    accelerator.print(f"{signal_name or 'a signal to another process'}: saving the state after step {step}")
+    path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
+    raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
+                     f"resume_from={path} (or resume_from=latest)")
 
 
 class RunBase:
@@ -423,6 +530,15 @@ class RunBase:
 
     def reduce_sum(self, values: Tensor) -> Tensor:
         return self.accelerator.reduce(values, reduction="sum")
+
+    @cached_property
+    def data_hash(self) -> str | None:
+        return data_sha256(self.recipe.data.path)  # hashed once per run; resume compares it (check_resume)
+
+    def checkpoint_extra(self, step: int, result: dict | None) -> dict:
+        """What every family's checkpoint records about the run in drafter.json's extra."""
+        return {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result,
+                "data_sha256": self.data_hash}
 
     def periodic(self, step: int, total_steps: int, position: Position) -> None:
         if step == total_steps:
@@ -455,12 +571,25 @@ def check_finite(loss: Tensor, step: int, run, passes: int, micro: int, grad_acc
 TRAINER_DIR, POSITION_FILE = "trainer", "position.json"
 
 
-def save_run_checkpoint(accelerator, path: Path, step: int, position: Position, tokens: int, **checkpoint) -> Path:
+def save_run_checkpoint(accelerator, path: Path, step: int, position: Position | None, tokens: int,
+                        **checkpoint) -> Path:
     """A checkpoint that also resumes: the drafter files (drafters.checkpoint) plus trainer/ =
     accelerate's state (optimizer, lr scheduler, RNG states of every process, and the prepared
     model, sharded as the engine shards it) and the data position, all in one atomic write.
-    Called by every process; `checkpoint` = save_checkpoint's keyword arguments."""
+    position None: the drafter files only (checkpoint-final), by the main process. Called by every
+    process; `checkpoint` = save_checkpoint's keyword arguments."""
     path = Path(path)
+    with disk_full_says(path):
+        if position is None:
+            if accelerator.is_main_process:
+                save_checkpoint(path, **checkpoint)
+        else:
+            save_resumable(accelerator, path, step, position, tokens, checkpoint)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def save_resumable(accelerator, path: Path, step: int, position: Position, tokens: int, checkpoint: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-resumable")
     if accelerator.is_main_process:
         if tmp.exists():
@@ -480,30 +609,61 @@ def save_run_checkpoint(accelerator, path: Path, step: int, position: Position, 
                 {"step": step, "passes": position.passes, "micro": position.micro, "tokens": tokens,
                  "num_processes": accelerator.num_processes}))
         save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
-    accelerator.wait_for_everyone()
-    return path
 
 
-def resume_checkpoint(recipe, family: str) -> Path | None:
-    """recipe.resume_from: null (fresh run), 'latest' (newest checkpoint-<step> of output_dir, or a
-    fresh run when there is none) or a checkpoint directory."""
+@contextmanager
+def disk_full_says(path: Path):
+    """A full disk while saving ends the run with what to do (the writes are atomic: the temporary
+    directory is gone and earlier checkpoints are intact), not an OSError traceback."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        saved = [p for _, p in step_checkpoints(path.parent) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+        then = f"resume from {saved[-1]} (resume_from=latest)" if saved else "run again (no checkpoint was saved yet)"
+        raise SystemExit(f"no space left on device while writing {path.name} to {path.parent}; nothing was "
+                         f"half-written; free space and {then}") from None
+
+
+def resume_checkpoint(recipe, say) -> Path | None:
+    """recipe.resume_from: null (fresh run), 'latest' (newest complete checkpoint-<step> of output_dir,
+    skipping damaged ones with a printed line; a fresh run when there is none) or a checkpoint directory."""
     if recipe.resume_from is None:
         return None
-    if recipe.resume_from == "latest":
-        found = step_checkpoints(recipe.output_dir)
-        resumable = [p for _, p in found if (p / TRAINER_DIR / POSITION_FILE).is_file()]
-        return resumable[-1] if resumable else None
-    path = Path(recipe.resume_from)
+    if recipe.resume_from != "latest":
+        return resumable(Path(recipe.resume_from))
+    found = [p for _, p in step_checkpoints(recipe.output_dir) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+    if not found and (Path(recipe.output_dir) / "checkpoint-final").is_dir():
+        raise RecipeError(f"resume_from=latest: {recipe.output_dir} holds a finished run (checkpoint-final) and "
+                          "no resumable checkpoint-<step> to continue; set overwrite_output_dir=true (and "
+                          "resume_from=null) to train it again, or choose another output_dir")
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            return path
+        say(f"resume_from=latest: skipping {path}, it is incomplete: {problem}")
+    if found:
+        raise RecipeError(f"resume_from=latest: every checkpoint in {recipe.output_dir} is damaged (see above); "
+                          "set overwrite_output_dir=true (and resume_from=null) to start over")
+    return None
+
+
+def resumable(path: Path) -> Path:
     if not (path / TRAINER_DIR / POSITION_FILE).is_file():
         raise RecipeError(f"resume_from={path}: not a resumable checkpoint (no {TRAINER_DIR}/{POSITION_FILE}); "
                           "checkpoint-<step> directories of a training run are, exported ones and "
                           "checkpoint-final are not")
+    problem = damage(path)
+    if problem is not None:
+        raise RecipeError(f"resume_from={path}: the checkpoint is incomplete: {problem}; resume an earlier one "
+                          "(resume_from=latest skips damaged checkpoints)")
     return path
 
 
 # Recipe keys that may change between a run and its resumption without changing what is trained.
-RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "output_dir", "max_steps", "log_every", "save_every",
-                     "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
+RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "output_dir", "max_steps",
+                     "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
 
 
 def recipe_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -534,11 +694,26 @@ def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bo
         raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
                           + "\n  ".join(diff) + "\nresume with the original values, or set "
                           "allow_recipe_changes=true to continue with the new ones")
+    check_same_data(ckpt, recipe_dict["data"]["path"], allow_changes)
 
 
-def load_run_state(accelerator, path: Path) -> tuple[int, Position, int]:
+def check_same_data(ckpt, path: str, allow_changes: bool) -> None:
+    # the split is a permutation of the usable rows: other bytes move training rows into the held-out set
+    saved = ckpt.extra.get("data_sha256")  # absent in checkpoints of older versions: nothing to compare
+    if saved is None or allow_changes or data_sha256(path) in (None, saved):
+        return
+    raise RecipeError(f"resume_from={ckpt.path}: data.path={path} changed since that checkpoint (its sha256 differs "
+                      "from the one the checkpoint recorded), so the train / held-out split would move and "
+                      "training rows could land in the held-out set; resume with the original file, or set "
+                      "allow_recipe_changes=true to continue on the new one")
+
+
+def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Position, int]:
     """Restores what save_run_checkpoint saved into the prepared objects -> (step, position, tokens)."""
     meta = json.loads((path / TRAINER_DIR / POSITION_FILE).read_text())
+    if meta["step"] > total_steps:  # else the final checkpoint would carry its weights under step total_steps
+        raise RecipeError(f"resume_from={path}: the checkpoint is at step {meta['step']}, past this run's last step "
+                          f"{total_steps} (max_steps / epochs); raise max_steps or resume an earlier checkpoint")
     if meta["num_processes"] != accelerator.num_processes:
         raise RecipeError(f"resume_from={path}: saved by {meta['num_processes']} processes, resumed with "
                           f"{accelerator.num_processes}; the data position and RNG states need the same count")

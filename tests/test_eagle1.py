@@ -4,6 +4,7 @@ EAGLE-1 proposer, export to the official layout, clear refusals."""
 
 import json
 import math
+import signal
 from itertools import pairwise
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -206,7 +207,7 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkey
         def stop(step, total, position):
             periodic(step, total, position)
             if step == 4:
-                raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C
 
         run.periodic = stop
         return inner(run, *args, **kwargs)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path,
         def then_interrupt(step, total, position):
             periodic(step, total, position)
             if step == 3:
-                raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C
 
         run.periodic = then_interrupt
         return inner(run, *args, **kwargs)

@@ -27,7 +27,6 @@ processes. Knows nothing about decoding trees or export formats.
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,7 +37,7 @@ from accelerate.utils import set_seed
 from torch import nn
 from tqdm import tqdm
 
-from drafters.checkpoint import save_checkpoint, target_info
+from drafters.checkpoint import target_info
 from drafters.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle1 import Eagle1Drafter, FrozenHead
@@ -52,9 +51,10 @@ from drafters.eagle1_training import (
     evaluate_eagle1,
 )
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
+from drafters.export import ENGINE_AUX_LAYERS
 from drafters.features import FeatureStore, offline_batches, offline_loader
 from drafters.losses import HeadRows
-from drafters.recipe import RecipeError, load_recipe, to_dict
+from drafters.recipe import RecipeError, run_main
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -63,6 +63,7 @@ from drafters.training import (
     TrainRecipe,
     length_sorted_batches,
     load_run_state,
+    load_train_recipe,
     lr_factor,
     pad_id,
     plan_steps,
@@ -78,7 +79,7 @@ from drafters.training import (
 class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, checkpoints, logging
     drafter: Literal["eagle3", "eagle1"] = "eagle3"
     output_dir: str = "outputs/eagle3"
-    draft_vocab_size: int = 32000  # capped at the target vocab
+    draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
     layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
     ttt_steps: int = 7
     step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
@@ -100,7 +101,7 @@ class Summary:
 def main(argv: list[str]) -> Summary:
     if not argv:
         raise SystemExit("usage: python train/eagle.py RECIPE.yaml [key=value ...]")
-    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    recipe = load_train_recipe(argv, Recipe, "train/eagle.py")
     check(recipe)
     accelerator, target, resume, train_rows, held_out = start_run(recipe, "eagle")
     say = accelerator.print
@@ -110,6 +111,9 @@ def main(argv: list[str]) -> Summary:
         store.check(recipe, target)
         say(store.summary())
     if recipe.drafter == "eagle3":
+        if recipe.draft_vocab_size > target.vocab_size:
+            say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
+                f"({target.vocab_size}): using {target.vocab_size}")
         vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
                                   min(recipe.draft_vocab_size, target.vocab_size))
         set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
@@ -140,7 +144,7 @@ def main(argv: list[str]) -> Summary:
     output_dir = Path(recipe.output_dir)
     step, position, resumed = 0, Position(), None
     if resume is not None:
-        step, position, tokens = load_run_state(accelerator, resume)
+        step, position, tokens = load_run_state(accelerator, resume, total_steps)
         resumed = (step, tokens)
         say(f"eagle: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
     run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
@@ -181,6 +185,10 @@ def check(recipe: Recipe) -> None:
     problems += check_eagle1(recipe)
     if problems:
         raise RecipeError("recipe: " + "; ".join(problems))
+    if recipe.drafter == "eagle3" and recipe.layers is not None and len(recipe.layers) != ENGINE_AUX_LAYERS:
+        print(f"eagle: warning: layers={recipe.layers} are {len(recipe.layers)} aux layers: training works, but "
+              f"export to sglang / vllm will refuse the drafter (both engines build fc for exactly "
+              f"{ENGINE_AUX_LAYERS}); only --format native keeps it")
 
 
 # ---- set-up ---------------------------------------------------------------------------------------
@@ -270,16 +278,10 @@ class Run(RunBase):
     def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
         """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
         self.tokens_total = self.log.tokens_total
-        extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result}
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
-                      "target": target_info(self.target),
-                      "state_dict": self.drafter.state_dict(), "extra": extra}
-        if position is not None:
-            return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
-        if self.accelerator.is_main_process:
-            save_checkpoint(path, **checkpoint)
-        self.accelerator.wait_for_everyone()
-        return path
+                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(),
+                      "extra": self.checkpoint_extra(step, result)}
+        return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
 
     def evaluate(self, step: int) -> dict | None:
         result = None
@@ -342,4 +344,4 @@ def format_eval(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

@@ -15,14 +15,13 @@ one feature.
 """
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
 from drafters.data import build_examples
 from drafters.features import features_header, write_features
-from drafters.recipe import RecipeError, load_recipe
+from drafters.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
 
 
@@ -61,4 +60,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

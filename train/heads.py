@@ -31,7 +31,6 @@ processes. Knows nothing about decoding or export formats.
 """
 
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -43,13 +42,13 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
-from drafters.checkpoint import save_checkpoint, target_info
+from drafters.checkpoint import target_info
 from drafters.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.proposers.heads import TREE_FILE
-from drafters.recipe import RecipeError, load_recipe, to_dict
+from drafters.recipe import RecipeError, run_main
 from drafters.targets import Target
 from drafters.training import (
     MetricsLog,
@@ -58,6 +57,7 @@ from drafters.training import (
     TrainRecipe,
     length_sorted_batches,
     load_run_state,
+    load_train_recipe,
     lr_factor,
     pad_id,
     plan_steps,
@@ -115,7 +115,7 @@ class Summary:
 def main(argv: list[str]) -> Summary:
     if not argv:
         raise SystemExit("usage: python train/heads.py RECIPE.yaml [key=value ...]")
-    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    recipe = load_train_recipe(argv, Recipe, "train/heads.py")
     check(recipe)
     accelerator, target, resume, train_rows, held_out = start_run(recipe, "heads")
     say = accelerator.print
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> Summary:
     output_dir = Path(recipe.output_dir)
     step, position, resumed = 0, Position(), None
     if resume is not None:
-        step, position, tokens = load_run_state(accelerator, resume)
+        step, position, tokens = load_run_state(accelerator, resume, total_steps)
         resumed = (step, tokens)
         say(f"heads: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
     run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
@@ -297,14 +297,10 @@ class Run(RunBase):
         An evaluated checkpoint carries its calibrated tree (extra.tree and tree.json)."""
         self.tokens_total = self.log.tokens_total
         tree = None if result is None else result["tree"]
-        extra = {"recipe": to_dict(self.recipe), "step": step, "tokens": self.tokens_total, "eval": result,
-                 "tree": tree}
+        extra = {**self.checkpoint_extra(step, result), "tree": tree}
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
                       "target": target_info(self.target), "state_dict": self.drafter.state_dict(), "extra": extra}
-        if position is not None:
-            save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
-        elif self.accelerator.is_main_process:
-            save_checkpoint(path, **checkpoint)
+        save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
         if self.accelerator.is_main_process and tree is not None:  # a copy of extra.tree, for --tree static:
             (path / TREE_FILE).write_text(json.dumps(tree["paths"]) + "\n")
         self.accelerator.wait_for_everyone()
@@ -384,4 +380,4 @@ def format_eval(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

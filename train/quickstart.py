@@ -32,7 +32,13 @@ BASELINE_TREE = "chain:4"
 def step(title: str, args: list[str]) -> None:
     command = [sys.executable, *args]
     print(f"\n== {title}\n$ {shlex.join(['python', *args])}", flush=True)
-    subprocess.run(command, cwd=ROOT, check=True)
+    with subprocess.Popen(command, cwd=ROOT) as child:
+        try:
+            code = child.wait()
+        except KeyboardInterrupt:  # the step got the same Ctrl-C: let it save its state and stop
+            code = child.wait()
+    if code != 0:
+        raise SystemExit(f"{title}: exited with status {code}; re-run train/quickstart.py to continue where it stopped")
 
 
 def main(argv=None) -> None:
@@ -49,7 +55,8 @@ def main(argv=None) -> None:
          ["train/regenerate.py", "recipes/regenerate_quickstart.yaml", f"output={regenerated}"])
     if not (ROOT / checkpoint).is_dir():
         step("2/4 train the EAGLE-3 drafter",
-             ["train/eagle.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}"])
+             ["train/eagle.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}",
+              "resume_from=latest"])  # an interrupted run continues from the checkpoint its Ctrl-C saved
     for fmt in ("sglang", "vllm"):
         step(f"3/4 export ({fmt}) and validate",
              ["eval/export.py", str(checkpoint), "--format", fmt, "--out", str(out / f"export-{fmt}"),

@@ -12,7 +12,6 @@ Knows nothing about drafters or training.
 """
 
 import json
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from drafters.data import DataError, RowError, load_conversations, render
-from drafters.recipe import RecipeError, load_recipe
+from drafters.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
 
 
@@ -226,4 +225,4 @@ def generate(target, prompts: list[list[int]], recipe: Recipe, eos_ids: list[int
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

@@ -1,0 +1,324 @@
+"""Faults of a training run end cleanly (issue 13): a signal is honoured at a step boundary and resumes
+bitwise, a run never silently replaces another, damaged or mismatched checkpoints are named, and
+recipe mistakes are refused with a message (train/eagle.py, train/heads.py)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.checkpoint import load_checkpoint
+from drafters.recipe import RecipeError
+
+eagle, heads = load_script("train/eagle.py"), load_script("train/heads.py")
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"recipes/eagle3_tiny.yaml": eagle, "recipes/medusa_tiny.yaml": heads}  # 6 steps, grad_accum 2
+
+
+def train(recipe, out, *overrides):
+    return SCRIPTS[recipe].main([recipe, f"output_dir={out}", "eval_every=0", *overrides])
+
+
+def assert_same_weights(a, b):
+    wa, wb = (load_checkpoint(Path(d) / "checkpoint-final").state_dict for d in (a, b))
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == [], "weights differ from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = {}
+    for recipe in SCRIPTS:
+        runs[recipe] = tmp_path_factory.mktemp("whole")
+        train(recipe, runs[recipe])
+    return runs
+
+
+# ---- 1. an interrupt takes effect between optimizer steps, whatever phase of a step it hits ---------
+
+STOP_STEP = 3  # the interrupt arrives while step 3 runs: step 3 finishes, is saved, and the run stops
+
+
+def interrupt_during(phase: str, script, monkeypatch):
+    """A train_loop that sends this process SIGINT once, in `phase` of optimizer step STOP_STEP."""
+    inner = script.train_loop
+
+    def train_loop(run, optimizer, scheduler, *args, **kwargs):
+        state = {"micro": 0, "sent": False}
+
+        def send(now: bool) -> None:
+            if now and not state["sent"]:
+                state["sent"] = True
+                signal.raise_signal(signal.SIGINT)
+
+        micro_step, periodic, scheduler_step = run.micro_step, run.periodic, type(scheduler).step
+        step_of_micro = lambda: state["micro"] // run.recipe.grad_accum + 1  # noqa: E731 (1-based step)
+
+        def micro(batch, acc):
+            first = state["micro"] % run.recipe.grad_accum == 0
+            send(step_of_micro() == STOP_STEP and phase == ("first_micro" if first else "last_micro"))
+            state["micro"] += 1
+            return micro_step(batch, acc)
+
+        run.micro_step = micro
+        optimizer.optimizer.register_step_pre_hook(
+            lambda *_: send(phase == "optimizer_pre" and step_of_micro() - 1 == STOP_STEP))
+        optimizer.optimizer.register_step_post_hook(
+            lambda *_: send(phase == "optimizer_post" and step_of_micro() - 1 == STOP_STEP))
+
+        def scheduler_then_signal(self, *a, **k):
+            scheduler_step(self, *a, **k)
+            send(phase == "scheduler" and step_of_micro() - 1 == STOP_STEP)
+
+        # on the class: an instance attribute would land in the scheduler's saved state
+        monkeypatch.setattr(type(scheduler), "step", scheduler_then_signal)
+
+        def periodic_then_signal(step, total, position):
+            periodic(step, total, position)
+            send(phase == "periodic" and step == STOP_STEP)
+
+        run.periodic = periodic_then_signal
+        return inner(run, optimizer, scheduler, *args, **kwargs)
+
+    return train_loop
+
+
+@pytest.mark.parametrize("recipe, phase", [
+    *(("recipes/eagle3_tiny.yaml", p) for p in
+      ("first_micro", "last_micro", "optimizer_pre", "optimizer_post", "scheduler", "periodic")),
+    ("recipes/medusa_tiny.yaml", "optimizer_post"), ("recipes/medusa_tiny.yaml", "first_micro"),
+])
+def test_interrupt_in_any_phase_saves_the_finished_step_and_resumes_bitwise(uninterrupted, tmp_path, monkeypatch,
+                                                                              recipe, phase):
+    script, out = SCRIPTS[recipe], tmp_path / "run"
+    inner = script.train_loop
+    monkeypatch.setattr(script, "train_loop", interrupt_during(phase, script, monkeypatch))
+    with pytest.raises(SystemExit) as stopped:
+        train(recipe, out)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handlers are back
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setattr(script, "train_loop", inner)
+    train(recipe, out, "resume_from=latest")
+    assert_same_weights(uninterrupted[recipe], out)
+    # the step that was running when the signal came finished, and the checkpoint says so
+    path = out / f"checkpoint-{STOP_STEP}"
+    assert str(stopped.value) == (f"interrupted: saved the state after step {STOP_STEP} to {path}; continue with "
+                                  f"resume_from={path} (or resume_from=latest)")
+    assert load_checkpoint(path).extra["step"] == STOP_STEP
+
+
+# ---- 2. SIGTERM (schedulers, `kill`) saves like Ctrl-C --------------------------------------------
+
+LONG = ["max_steps=60", "log_every=1", "save_every=0"]  # about 5 s: time to signal it mid-run
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "terminated"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "train/eagle.py", "recipes/eagle3_tiny.yaml", f"output_dir={out}", "eval_every=0", *LONG]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and process.poll() is None:
+        assert time.monotonic() < deadline, "the run never logged a step"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and "interrupted: saved the state after step" in stderr, stderr[-2000:]
+    assert not (out / "checkpoint-final").exists()
+    assert 2 <= max(json.loads(row)["step"] for row in metrics.read_text().splitlines()) < 60
+    train("recipes/eagle3_tiny.yaml", out, *LONG, "resume_from=latest")
+    train("recipes/eagle3_tiny.yaml", whole, *LONG)
+    assert_same_weights(whole, out)
+
+
+# ---- 3. a new run never silently replaces an earlier one ------------------------------------------
+
+
+def test_a_new_run_into_an_earlier_runs_directory_is_refused_unless_asked(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    train("recipes/eagle3_tiny.yaml", out, "max_steps=4", "save_every=2")
+    (out / "notes.txt").write_text("mine")  # not the trainer's: never removed
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    with pytest.raises(RecipeError, match=rf"output_dir={out} holds an earlier run \(checkpoint-2, checkpoint-final, "
+                                        r"eval.jsonl, metrics.jsonl\).*resume_from=latest.*overwrite_output_dir=true"):
+        train("recipes/eagle3_tiny.yaml", out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing touched
+    train("recipes/eagle3_tiny.yaml", out, "overwrite_output_dir=true")  # removes checkpoint-2: latest is this run's
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-final", "eval.jsonl",
+                                                     "metrics.jsonl", "notes.txt"]
+    assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_resume_latest_of_a_finished_run_without_step_checkpoints_is_refused(tmp_path):
+    out = tmp_path / "run"
+    train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0")
+    with pytest.raises(RecipeError, match=r"holds a finished run \(checkpoint-final\) and no resumable"):
+        train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0", "resume_from=latest")
+    with pytest.raises(RecipeError, match="set only one of them"):
+        train("recipes/eagle3_tiny.yaml", out, "resume_from=latest", "overwrite_output_dir=true")
+
+
+# ---- 4. resuming a checkpoint past max_steps is refused -------------------------------------------
+
+
+def test_resuming_a_checkpoint_past_max_steps_is_refused(uninterrupted, tmp_path):
+    checkpoint = uninterrupted["recipes/medusa_tiny.yaml"] / "checkpoint-4"
+    with pytest.raises(RecipeError, match=rf"resume_from={checkpoint}: the checkpoint is at step 4, past this "
+                                          r"run's last step 2 \(max_steps / epochs\); raise max_steps or resume"):
+        train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}", "max_steps=2")
+    assert not (tmp_path / "run" / "checkpoint-final").exists()
+
+
+# ---- 5. resume notices a changed data file --------------------------------------------------------
+
+
+def test_resume_with_a_changed_data_file_is_refused_unless_allowed(tmp_path):
+    data, out = tmp_path / "data.jsonl", tmp_path / "run"
+    original = (ROOT / "tests/data/tiny_conversations.jsonl").read_text()
+    data.write_text(original)
+    train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "max_steps=4", "save_every=2")
+    data.write_text(original.replace("2+2 is 4.", "2+2 is four."))
+    with pytest.raises(RecipeError, match=rf"data.path={data} changed since that checkpoint.*held-out set.*"
+                                          "allow_recipe_changes=true"):
+        train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "resume_from=latest")
+    allowed = tmp_path / "allowed"
+    shutil.copytree(out, allowed)
+    assert train("recipes/eagle3_tiny.yaml", allowed, f"data.path={data}", "resume_from=latest",
+                 "allow_recipe_changes=true").steps == 6
+    # checkpoints of older versions recorded no hash: nothing to compare, resumed as before
+    meta_path = out / "checkpoint-2" / "drafter.json"  # the newest resumable one
+    meta = json.loads(meta_path.read_text())
+    del meta["extra"]["data_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    assert train("recipes/eagle3_tiny.yaml", out, f"data.path={data}", "resume_from=latest").steps == 6
+    assert load_checkpoint(out / "checkpoint-final").extra["data_sha256"] is not None
+
+
+# ---- 6. values the trainer would quietly change or that export will refuse are said at the start ----
+
+
+def test_a_draft_vocab_larger_than_the_targets_is_said(tmp_path, capsys):
+    summary = train("recipes/eagle3_tiny.yaml", tmp_path / "run", "draft_vocab_size=300", "max_steps=1")
+    assert "draft_vocab_size=300 is larger than the target's vocabulary (259): using 259" in capsys.readouterr().out
+    assert summary.drafter.config.draft_vocab_size == 259
+
+
+def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
+    from drafters.recipe import load_recipe
+
+    for layers, warned in (("[2, 5]", True), ("[2, 4, 5]", False), ("null", False)):
+        eagle.check(load_recipe("recipes/eagle3_tiny.yaml", [f"layers={layers}"], schema=eagle.Recipe))
+        out = capsys.readouterr().out
+        assert ("layers=[2, 5] are 2 aux layers: training works, but export to sglang / vllm will refuse the "
+                "drafter (both engines build fc for exactly 3)" in out) == warned, out
+
+
+# ---- 7. messages, not tracebacks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script, recipe", [("train/eagle.py", "recipes/eagle3_tiny.yaml"),
+                                            ("train/heads.py", "recipes/medusa_tiny.yaml"),
+                                            ("train/features.py", "recipes/eagle1_tiny.yaml"),
+                                            ("train/regenerate.py", "recipes/tiny_regenerate.yaml")])
+def test_a_recipe_error_prints_only_its_message(script, recipe):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, script, recipe, "bogus_key=1"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(f"error: {recipe}: unknown key 'bogus_key'")
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def test_a_truncated_checkpoint_is_named_and_latest_falls_back_to_the_previous_one(uninterrupted, tmp_path,
+                                                                                    capsys):
+    from drafters.checkpoint import CheckpointError
+
+    out = tmp_path / "run"
+    train("recipes/eagle3_tiny.yaml", out, "save_every=2")
+    truncate(out / "checkpoint-4" / "trainer" / "optimizer.bin")
+    truncate(out / "checkpoint-final" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"{out / 'checkpoint-final' / 'model.safetensors'}: cannot be read"):
+        load_checkpoint(out / "checkpoint-final")
+    with pytest.raises(RecipeError, match=rf"resume_from={out / 'checkpoint-4'}: the checkpoint is incomplete: "
+                                          rf"{out / 'checkpoint-4' / 'trainer' / 'optimizer.bin'}: truncated"):
+        train("recipes/eagle3_tiny.yaml", out, "save_every=2", f"resume_from={out / 'checkpoint-4'}")
+    capsys.readouterr()
+    train("recipes/eagle3_tiny.yaml", out, "save_every=2", "resume_from=latest")
+    assert f"resume_from=latest: skipping {out / 'checkpoint-4'}, it is incomplete" in capsys.readouterr().out
+    assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
+
+
+def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+    import errno
+
+    from drafters import checkpoint
+
+    out, save_file = tmp_path / "run", checkpoint.save_file
+    saves = {"n": 0}
+
+    def full_at_the_second_save(*args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_at_the_second_save)
+    with pytest.raises(SystemExit) as stopped:
+        train("recipes/eagle3_tiny.yaml", out, "save_every=2")
+    assert str(stopped.value) == (f"no space left on device while writing checkpoint-4 to {out}; nothing was "
+                                  f"half-written; free space and resume from {out / 'checkpoint-2'} "
+                                  "(resume_from=latest)")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "eval.jsonl", "metrics.jsonl"]
+
+
+# ---- 8. small traps --------------------------------------------------------------------------------
+
+
+def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
+    import dataclasses
+    from typing import Literal
+
+    from drafters.recipe import load_recipe
+
+    @dataclasses.dataclass
+    class Schema:
+        precision: Literal["no", "bf16", "fp16"] = "bf16"
+        switch: Literal["on", "off", "auto"] = "auto"
+        mode: Literal["online", "offline"] = "online"
+
+    path = tmp_path / "r.yaml"
+    path.write_text("precision: no\nswitch: off\n")
+    assert load_recipe(path, schema=Schema) == Schema(precision="no", switch="off")
+    assert load_recipe(path, ["precision=no", "switch=on"], schema=Schema) == Schema(precision="no", switch="on")
+    with pytest.raises(RecipeError, match=r"mode: True is not one of 'online', 'offline'"):
+        load_recipe(path, ["mode=yes"], schema=Schema)  # no word of this Literal: still refused
+    recipe = load_recipe("recipes/eagle3_tiny.yaml", ["mixed_precision=no"], schema=eagle.Recipe)
+    assert recipe.mixed_precision == "no"
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="fp16 autocast is real on a GPU")
+def test_fp16_on_a_cpu_is_refused_instead_of_training_in_fp32(tmp_path):
+    with pytest.raises(RecipeError, match=r"mixed_precision=fp16 needs a GPU.*use mixed_precision=bf16"):
+        train("recipes/eagle3_tiny.yaml", tmp_path / "run", "mixed_precision=fp16")
+
+
+@pytest.mark.parametrize("script, recipe, other", [(eagle, "recipes/medusa_tiny.yaml", "train/heads.py"),
+                                                   (eagle, "recipes/blockwise_tiny.yaml", "train/heads.py"),
+                                                   (heads, "recipes/eagle3_tiny.yaml", "train/eagle.py"),
+                                                   (heads, "recipes/eagle1_tiny.yaml", "train/eagle.py")])
+def test_a_recipe_for_the_other_script_names_that_script(tmp_path, script, recipe, other):
+    drafter = Path(recipe).stem.removesuffix("_tiny")
+    with pytest.raises(RecipeError, match=rf"^recipe {recipe} trains drafter={drafter}: run it with {other}$"):
+        script.main([recipe, f"output_dir={tmp_path}"])
