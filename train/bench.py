@@ -62,7 +62,7 @@ def measure(name: str, steps: int, features: str) -> dict:
             raise SystemExit(f"{name}: failed: {shlex.join(args)}\n{log.read_text()[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     # one process: what the OS measured; several: the main process's own record (metrics.jsonl)
-    peak = usage.ru_maxrss / 2 ** 20 if SETTINGS[name][0] == 1 else rows[-1]["peak_rss_gb"]
+    peak = usage.ru_maxrss / 2 ** 20 if SETTINGS[name][0] == 1 else rows[-1].get("peak_rss_gb", float("nan"))
     return {"setting": name, "tokens_per_s": rows[-1]["tokens_per_s"], "peak_rss_gb": peak,
             "tokens": sum(r["tokens"] for r in rows[-steps:]), "wall_s": time.perf_counter() - start,
             "command": shlex.join(["python" if a == sys.executable else a for a in args])}
