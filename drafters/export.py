@@ -3,7 +3,7 @@
     sglang  SGLang / official EAGLE-3 / SpecForge: config.json (LlamaForCausalLMEagle3) +
             model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d
     vllm    vLLM speculators: config.json (speculators_model_type eagle3) + model.safetensors
-            with layers.0.* instead of midlayer.*
+            with layers.0.* instead of midlayer.*, plus the target's embed_tokens (with --target)
     native  a validated copy of the drafters checkpoint (any family)
     medusa  Medusa / TGI: config.json (medusa_num_heads, ...) + medusa_lm_head.safetensors; medusa
             checkpoints only (writer and independent reader: drafters.export_medusa)
@@ -31,8 +31,10 @@ transformers_utils/configs/speculators/algos.py, speculators models/eagle3):
   `tie_word_embeddings: true` it uses the embedding as lm_head. Without d2t both engines map
   draft id i to target id i. All three are silent; all are written explicitly.
 - Both engines hard-code fc = Linear(3 * target_hidden_size, hidden_size): exactly 3 aux layers.
-- Neither needs an embedding: SGLang always shares the target's (`set_embed`), vLLM shares it
-  when the checkpoint has no `embed_tokens.weight`.
+- SGLang needs no embedding: it always shares the target's (`set_embed`). vLLM shares it when
+  the checkpoint has no `embed_tokens.weight`, but speculators' own loader then drafts on
+  uninitialised memory (eval/check_consumers.py): vllm exports carry the target's embedding
+  whenever the target is loaded (--target).
 """
 
 import json
@@ -105,7 +107,7 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
 
     def write(payload: Path):
         config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
-                        verifier or expected["name"])
+                        verifier or expected["name"], _embedding(fmt, target, DTYPES[dtype]))
         return config, check_export(payload, fmt, target=expected, reference=ckpt)
 
     config, report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)
@@ -212,7 +214,16 @@ def cast_floats(state: dict, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def _write(fmt, ckpt, state, payload: Path, expected, dtype, speculative_tokens, verifier) -> dict:
+def _embedding(fmt: str, target, dtype: torch.dtype):
+    # vllm: the target's token embedding goes into the export (as speculators' own saves hold
+    # it). speculators 0.9 fills a missing one from the verifier only if it is still NaN, which
+    # it no longer is under transformers 5.x: it would draft on uninitialised memory. vLLM uses
+    # the file's embedding when there is one: the same values. Without a target it is left out.
+    return target.embed_tokens.weight.to(dtype) if fmt == "vllm" and target is not None else None
+
+
+def _write(fmt, ckpt, state, payload: Path, expected, dtype, speculative_tokens, verifier,
+           embedding=None) -> dict:
     if fmt == "native":
         save_checkpoint(payload, family=ckpt.family, config=ckpt.config, target=ckpt.target,
                         state_dict=state, extra=ckpt.extra)
@@ -224,6 +235,8 @@ def _write(fmt, ckpt, state, payload: Path, expected, dtype, speculative_tokens,
         config = vllm_config(c, dtype, speculative_tokens, verifier,
                              expected.get("architectures") or [])
         tensors = {_vllm_name(k): v for k, v in state.items()}
+        if embedding is not None:
+            tensors["embed_tokens.weight"] = embedding
     payload.mkdir()
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -282,6 +295,8 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
         "transformer_layer_config": llama_layer_fields(c, dtype),
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False,  # residual on the un-normed h; vLLM defaults to True
+        # EAGLE-3.1 norms this drafter has none of (speculators' trainer defaults two to True)
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # vLLM: HF index as is
         "speculators_config": {

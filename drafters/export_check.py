@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
@@ -74,6 +74,11 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None):
     geometry, aux_hf, written = READERS[fmt](config, path / "config.json")
     tensors = _read_tensors(path / "model.safetensors")
     prefix = {"sglang": "midlayer.", "vllm": "layers.0."}[fmt]
+    # speculators saves the verifier's embedding beside the drafter (vLLM then uses it instead
+    # of the target's); it is not part of the drafter: `export_embedding` reads it
+    embedding = tensors.pop(EMBEDDING, None) if fmt == "vllm" else None
+    if embedding is not None and tuple(embedding.shape) != (geometry["vocab_size"], geometry["hidden_size"]):
+        raise ExportCheckError(f"{path}: {EMBEDDING} {tuple(embedding.shape)} is not (vocab_size, hidden_size)")
     float_dtype = _check_tensors(tensors, geometry, len(aux_hf), prefix, path,
                                  config_dtype=geometry.pop("torch_dtype"))
     if target is not None:
@@ -81,6 +86,15 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None):
     module_state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v
                     for k, v in tensors.items()}
     return Eagle3Config(**geometry, aux_layers=aux_hf), module_state, written, float_dtype
+
+
+EMBEDDING = "embed_tokens.weight"
+
+
+def export_embedding(path) -> torch.Tensor | None:
+    """The drafter's own token embedding if a vllm export carries one (speculators' saves do)."""
+    with safe_open(Path(path) / "model.safetensors", framework="pt") as f:
+        return f.get_tensor(EMBEDDING) if EMBEDDING in f.keys() else None
 
 
 # ---- config readers: -> (Eagle3Config fields but aux_layers, aux layers as HF indices, as written)
@@ -125,21 +139,51 @@ def _layer_geometry(config: dict, where: str) -> dict:
     _get(config, "model_type", str, where, equals="llama")
     _get(config, "num_hidden_layers", int, where, equals=1)
     _get(config, "tie_word_embeddings", bool, where, equals=False)
-    rope_scaling = _get(config, "rope_scaling", (dict, type(None)), where)
     geometry = {key: _get(config, key, int, where) for key in (
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
         "head_dim", "vocab_size", "max_position_embeddings")}
     geometry.update(
         rms_norm_eps=_get(config, "rms_norm_eps", float, where),
-        rope_theta=float(_get(config, "rope_theta", (int, float), where)),
-        rope_scaling=rope_scaling,
+        **_rope(config, where),
         hidden_act=_get(config, "hidden_act", str, where),
-        torch_dtype=_get(config, "torch_dtype", str, where),
+        # transformers 5.x writes `dtype` (speculators: top level only); then the weights decide
+        torch_dtype=_get(config, "torch_dtype" if "torch_dtype" in config else "dtype", str, where)
+        if {"torch_dtype", "dtype"} & set(config) else None,
     )
+    if any(kind != "full_attention" for kind in config.get("layer_types") or ()):
+        raise ExportCheckError(f"{where}: layer_types {config['layer_types']}: a sliding-window "
+                               "draft layer (speculators' training default) is not this "
+                               "project's EAGLE-3 layer, which attends to the whole context")
     for flag in ("attention_bias", "mlp_bias"):  # our layer has no biases
         if config.get(flag, False) is not False:
             raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter has none")
     return geometry
+
+
+def _rope(config: dict, where: str) -> dict:
+    """rope_theta / rope_scaling (what we write; transformers 4.x names) or transformers 5.x
+    rope_parameters {rope_type, rope_theta, ...} (what speculators' saves hold)."""
+    if "rope_theta" in config or "rope_parameters" not in config:
+        return {"rope_theta": float(_get(config, "rope_theta", (int, float), where)),
+                "rope_scaling": _get(config, "rope_scaling", (dict, type(None)), where)}
+    rope = dict(_get(config, "rope_parameters", dict, where))
+    theta = _get(rope, "rope_theta", (int, float), f"{where} rope_parameters")
+    del rope["rope_theta"]
+    return {"rope_theta": float(theta),
+            "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None}
+
+
+# EAGLE-3.1 options (speculators' training defaults norm_before_fc and norm_output): engines read
+# them, default False; this project's drafter has none of them, so it must not draft with them.
+UNSUPPORTED_OPTIONS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output")
+
+
+def _refuse_options(config: dict, where: str) -> None:
+    on = [key for key in UNSUPPORTED_OPTIONS if config.get(key, False) is not False]
+    if on:
+        raise ExportCheckError(f"{where}: {', '.join(f'{k} = {config[k]!r}' for k in on)}: this "
+                               "project's EAGLE-3 drafter has no such norm (EAGLE-3.1 options); "
+                               "it cannot draft with this checkpoint")
 
 
 def _read_sglang(config: dict, where) -> tuple[dict, list[int], list[int]]:
@@ -150,6 +194,8 @@ def _read_sglang(config: dict, where) -> tuple[dict, list[int], list[int]]:
     if "target_hidden_size" in config:  # optional for SGLang; fc in_features = 3 * it
         _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
     eagle = _get(config, "eagle_config", dict, where)
+    _refuse_options(config, where)
+    _refuse_options(eagle, f"{where} eagle_config")
     _get(eagle, "use_aux_hidden_state", bool, f"{where} eagle_config", equals=True)
     ids = _int_list(eagle, "eagle_aux_hidden_state_layer_ids", f"{where} eagle_config")
     # SGLang "output of layer" ids: it captures the input of layer id+1 = HF index id+1
@@ -158,8 +204,12 @@ def _read_sglang(config: dict, where) -> tuple[dict, list[int], list[int]]:
 
 def _read_vllm(config: dict, where) -> tuple[dict, list[int], list[int]]:
     where = str(where)
-    _get(config, "architectures", list, where, equals=["Eagle3Speculator"])
+    # ours: the config class's default name; speculators' own saves: the model class's name
+    if _get(config, "architectures", list, where) not in (["Eagle3Speculator"], ["Eagle3DraftModel"]):
+        raise ExportCheckError(f"{where}: architectures {config['architectures']}, want "
+                               "['Eagle3Speculator'] or ['Eagle3DraftModel']")
     _get(config, "speculators_model_type", str, where, equals="eagle3")
+    _refuse_options(config, where)
     _get(config, "speculators_version", str, where)
     layer = _get(config, "transformer_layer_config", dict, where)
     geometry = _layer_geometry(layer, f"{where} transformer_layer_config")
@@ -167,7 +217,8 @@ def _read_vllm(config: dict, where) -> tuple[dict, list[int], list[int]]:
     # vLLM defaults a missing norm_before_residual to True; this drafter's residual is the
     # un-normed hidden input, i.e. False
     _get(config, "norm_before_residual", bool, where, equals=False)
-    _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+    if config.get("target_hidden_size", 0) is not None:  # speculators writes null: = hidden_size
+        _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
     ids = _int_list(config, "eagle_aux_hidden_state_layer_ids", where)
     _check_speculators_config(_get(config, "speculators_config", dict, where),
                               f"{where} speculators_config")

@@ -11,6 +11,7 @@ from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.export import ExportError, export_checkpoint
 from drafters.export_check import ExportCheckError, check_export
+from drafters.sampling import SamplingConfig
 from drafters.targets import load_target
 from conftest import load_script  # tests/ is on sys.path under pytest
 
@@ -89,7 +90,23 @@ def test_engine_fields_that_fail_silently(exports, target):
     assert "midlayer.hidden_norm.weight" in sglang_keys
     assert "layers.0.hidden_norm.weight" in vllm_keys
     assert not any(k.startswith("midlayer.") for k in vllm_keys)
-    assert not any("embed_tokens" in k for k in [*sglang_keys, *vllm_keys])
+    assert not any("embed_tokens" in k for k in sglang_keys)  # SGLang always uses the target's
+
+
+def test_vllm_export_carries_the_target_embedding_and_every_norm_flag(exports, target):
+    # speculators 0.9 fills a missing embedding from the verifier only while it is NaN, which it is
+    # not under transformers 5.x: without the file's embedding it drafted on uninitialised memory
+    # (found by eval/check_consumers.py on SmolLM2: max |logit diff| 1.25)
+    tensors = load_file(exports["vllm"] / "model.safetensors")
+    assert torch.equal(tensors["embed_tokens.weight"], target.embed_tokens.weight)
+    config = read_config(exports["vllm"])
+    # speculators' trainer defaults norm_before_fc and norm_output to True: never leave them implicit
+    assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (False, False, False)
+
+
+def test_vllm_export_without_a_target_has_no_embedding(tmp_path, ckpt):
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "out").path
+    assert "embed_tokens.weight" not in load_file(out / WEIGHTS)
 
 
 # ---- the independent reader must fail on each corruption ----------------------------------------
@@ -124,8 +141,15 @@ def swap_norms(tensors):  # shapes and dtypes stay valid: only the logits can te
 WEIGHTS = "model.safetensors"
 CORRUPTIONS = {
     "missing key": ("sglang", edit_tensors(lambda t: t.pop("lm_head.weight")), "missing"),
-    "unexpected embedding": ("vllm", edit_tensors(
+    "unexpected embedding": ("sglang", edit_tensors(
         lambda t: t.update({"embed_tokens.weight": torch.zeros(259, 64)})), "unexpected"),
+    "embedding of another shape": ("vllm", edit_tensors(
+        lambda t: t.update({"embed_tokens.weight": torch.zeros(300, 64)})), "embed_tokens"),
+    "EAGLE-3.1 output norm": ("vllm", edit_config(lambda c: c.update(norm_output=True)), "norm_output"),
+    "EAGLE-3.1 fc norm in eagle_config": ("sglang", edit_config(
+        lambda c: c["eagle_config"].update(norm_before_fc=True)), "norm_before_fc"),
+    "sliding-window draft layer": ("vllm", edit_config(lambda c: c["transformer_layer_config"].update(
+        layer_types=["sliding_attention"], sliding_window=2048)), "sliding-window"),
     "wrong shape": ("sglang", edit_tensors(
         lambda t: t.update({"fc.weight": t["fc.weight"][:, :128].contiguous()})), "shapes"),
     "wrong d2t dtype": ("vllm", edit_tensors(
@@ -270,3 +294,40 @@ def test_exported_drafter_for_a_shorter_context_target_is_refused(exports):
     short.config.max_position_embeddings //= 2  # as if the target were another model
     with pytest.raises(ValueError, match="max_position_embeddings"):
         load_proposer(str(exports["sglang"]), short, parse_tree_spec("chain:3"))
+
+
+def as_speculators_saves_it(path):
+    # how speculators 0.9's own save_pretrained writes the same drafter (eval/check_consumers.py
+    # saw it): the model class as architecture, transformers 5.x rope_parameters and dtype,
+    # target_hidden_size null, an explicit full-attention layer type
+    config = read_config(path)
+    layer = config["transformer_layer_config"]
+    layer["rope_parameters"] = {"rope_theta": layer.pop("rope_theta"), "rope_type": "default"}
+    del layer["rope_scaling"], layer["torch_dtype"]
+    layer["layer_types"] = ["full_attention"]
+    config.update(architectures=["Eagle3DraftModel"], target_hidden_size=None, dtype="float32")
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("embedding", ["target's", "own"])
+def test_a_speculators_saved_drafter_drafts_here(tmp_path, exports, target, embedding):
+    # speculators' saves were refused here (architectures ['Eagle3DraftModel'], no rope_theta);
+    # a drafter with its own embedding drafts with it, as vLLM does
+    from drafters.decoding import speculative_generate
+    from drafters.proposers.loading import load_proposer
+    from drafters.tree import parse_tree_spec
+
+    copy = shutil.copytree(exports["vllm"], tmp_path / "speculators")
+    as_speculators_saves_it(copy)
+    if embedding == "own":
+        edit_tensors(lambda t: t["embed_tokens.weight"].mul_(-1))(copy)
+    prompt, tree = torch.tensor([5, 17, 99, 42, 7, 7, 130, 64]), parse_tree_spec("chain:3")
+    outs = []
+    for source in (exports["vllm"], copy):
+        proposer = load_proposer(str(source), target, tree)
+        outs.append(proposer.embed.weight.clone())
+        proposer.reset(prompt, target.features(prompt[None], layers=proposer.needs.layers, logits=False))
+        outs.append(proposer.propose(prompt, 9, SamplingConfig(temperature=0.0)).tokens)
+    assert torch.equal(outs[0], target.embed_tokens.weight)
+    assert torch.equal(outs[2], outs[0] if embedding == "target's" else -outs[0])
+    assert torch.equal(outs[1], outs[3]) == (embedding == "target's")

@@ -182,8 +182,9 @@ def eagle_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, s
 
 
 def eagle3_proposer(config: Eagle3Config, state: dict, target, tree_spec: str | TreeSpec, where, *,
-                    seed: int = 0) -> EagleProposer:
-    # config + state dict in Eagle3Drafter names, from a native checkpoint or an sglang / vllm export
+                    seed: int = 0, embed: Tensor | None = None) -> EagleProposer:
+    # config + state dict in Eagle3Drafter names, from a native checkpoint or an sglang / vllm export;
+    # embed (V, h): the drafter's own token embedding if the export has one, else the target's is used
     check_config(config, target, where)
     vocab = DraftVocab.from_state_dict(state, source=str(where), draft_vocab_size=config.draft_vocab_size,
                                        target_vocab_size=config.vocab_size)
@@ -194,7 +195,9 @@ def eagle3_proposer(config: Eagle3Config, state: dict, target, tree_spec: str | 
         raise CheckpointError(f"{where}: weights do not match the drafter config: {err}") from None
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
-    return EagleProposer(drafter, target.embed_tokens, tree, seed=seed)
+    if embed is not None:  # as vLLM does: the checkpoint's embedding wins over the target's
+        embed = torch.nn.Embedding.from_pretrained(embed.to(device=target.device, dtype=target.dtype))
+    return EagleProposer(drafter, embed if embed is not None else target.embed_tokens, tree, seed=seed)
 
 
 def check_config(config: Eagle3Config, target, where) -> None:
@@ -219,10 +222,11 @@ def eagle3_export_loader(fmt: str):
     by another trainer (SpecForge, speculators), so its tau can be measured here. The files are read
     and validated by the independent export reader; layer ids come back as HF indices."""
     from drafters.checkpoint import target_info
-    from drafters.export_check import read_eagle3_export
+    from drafters.export_check import export_embedding, read_eagle3_export
 
     def load(path, config: dict, target, tree_spec) -> EagleProposer:
         eagle_config, state, _, _ = read_eagle3_export(path, fmt, target=target_info(target))
-        return eagle3_proposer(eagle_config, state, target, tree_spec, path)
+        embed = export_embedding(path) if fmt == "vllm" else None  # speculators saves one
+        return eagle3_proposer(eagle_config, state, target, tree_spec, path, embed=embed)
 
     return load

@@ -1,0 +1,273 @@
+"""Prove our EAGLE-3 exports with the code that consumes them, not with our own reader.
+
+    bash .ci/consumers-venv                     # once: .venv-speculators (speculators 0.9.0)
+    python eval/check_consumers.py --targets tiny-random-llama smollm2-135m-instruct
+
+For each target:
+  vllm -> speculators   a drafter is exported with --format vllm; speculators' own loader
+                        (`Eagle3DraftModel.from_pretrained`) reads it in its own virtual
+                        environment and runs its forward (3 TTT steps) on the same target features
+                        and tokens; its logits must equal our drafter's (fp32, max |diff| <= 1e-4),
+                        and every config field it reads must equal what our reader reads.
+  speculators -> here   speculators builds and saves its own drafter (`from_training_args`); it
+                        loads here as a proposer (the exported-directory path of eval/tau.py) and
+                        must draft the same greedy chain as speculators' forward.
+  sglang                our --format sglang export against what SGLang reads (consumer_sglang.py):
+                        its config through the transformers SGLang pins, its weight names through
+                        the name mapping of its `LlamaForCausalLMEagle3.load_weights`.
+
+speculators pins transformers <= 5.19, this project >= 5.20, so the consumers run in a separate
+virtual environment (.ci/consumers-venv) and never import drafters: the two sides exchange
+safetensors and JSON files in --work. Run before every release of the export code (README).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
+from drafters.draft_vocab import build_draft_vocab
+from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features, shift_left
+from drafters.export import export_checkpoint
+from drafters.export_check import read_eagle3_export
+from drafters.proposers.loading import load_proposer
+from drafters.sampling import SamplingConfig
+from drafters.targets import load_target
+from drafters.tree import parse_tree_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = ROOT / ".venv-speculators"
+TOLERANCE = 1e-4  # fp32 max |logit diff|
+STEPS = 3  # TTT steps compared; also the greedy chain depth
+DRAFT_VOCAB = {"tiny-random-llama": 64}  # else 4096
+PROMPT = "Write a haiku about the sea, then explain it in one sentence."
+
+
+class ConsumerError(RuntimeError):
+    pass
+
+
+def consumer_python(venv: Path) -> Path:
+    python = Path(venv) / "bin" / "python"
+    if not python.is_file():
+        raise ConsumerError(f"no consumer virtual environment at {venv}: create it with "
+                            f"`bash .ci/consumers-venv {venv}` (installs speculators 0.9.0)")
+    return python
+
+
+def run_consumer(venv: Path, script: str, *args) -> None:
+    # PYTHONPATH is dropped so the consumer side cannot import drafters even by accident
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    done = subprocess.run([str(consumer_python(venv)), str(ROOT / "eval" / script), *map(str, args)],
+                          env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
+    if done.returncode:
+        raise ConsumerError(f"{script} {' '.join(map(str, args))} failed:\n{done.stderr[-4000:]}")
+
+
+# ---- our side: a target, a drafter with every weight off its init, the verifier files --------------
+
+def write_verifier(target, path: Path) -> Path:
+    """What a consumer reads from the verifier (target): its config.json and the embedding, final
+    norm and LM head under their Hugging Face names (speculators loads these three by name)."""
+    path.mkdir(parents=True, exist_ok=True)
+    target.config.to_json_file(path / "config.json")
+    tensors = {"model.embed_tokens.weight": target.embed_tokens.weight, "model.norm.weight": target.final_norm.weight}
+    if not target.config.tie_word_embeddings:
+        tensors["lm_head.weight"] = target.lm_head.weight
+    save_file({k: v.detach().float().contiguous().clone() for k, v in tensors.items()}, path / "model.safetensors")
+    return path
+
+
+def save_drafter(target, path: Path) -> Path:
+    size = DRAFT_VOCAB.get(target.name, 4096)
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=size)
+    counts = (torch.arange(target.vocab_size) * 7919) % 101  # a non-trivial kept-id set
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, build_draft_vocab(counts, target.vocab_size, size))
+    with torch.no_grad():  # norms off 1.0: a swapped or dropped norm changes the logits
+        for param in drafter.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return save_checkpoint(path, family="eagle3", config=asdict(config), target=target_info(target),
+                           state_dict=drafter.state_dict())
+
+
+def prompt_ids(target) -> torch.Tensor:
+    ids = target.tokenizer(PROMPT, return_tensors="pt").input_ids  # (1, T)
+    return ids[:, :48]
+
+
+def features(target, ids: torch.Tensor, layers) -> torch.Tensor:
+    return fuse_features(target.features(ids, layers=layers, logits=False).hidden_states, layers)  # (1, T, n*h)
+
+
+# ---- vllm export -> speculators --------------------------------------------------------------------
+
+def check_vllm_export(target, work: Path, venv: Path, corrupt=None) -> dict:
+    # corrupt(export_dir): tests plant a fault there before the consumer reads it
+    ckpt = save_drafter(target, work / "ckpt")
+    verifier = write_verifier(target, work / "verifier")
+    export = export_checkpoint(ckpt, "vllm", work / "vllm", target=target, verifier=str(verifier)).path
+    if corrupt is not None:
+        corrupt(export)
+    source = load_checkpoint(ckpt)
+    drafter = Eagle3Drafter(Eagle3Config(**source.config))
+    drafter.load_state_dict(source.state_dict)
+    ids = prompt_ids(target)
+    fused = features(target, ids, drafter.config.aux_layers)
+    T = ids.shape[1]
+    with torch.no_grad():
+        ours = drafter.eval().ttt_forward(fused, ids, torch.zeros(1, T, target.vocab_size), torch.ones(1, T),
+                                          target.embed_tokens, steps=STEPS, return_logits=True).step_logits
+    save_file({"hidden_states": fused.contiguous(), "input_ids": shift_left(ids, 1),
+               "position_ids": torch.arange(T)[None], "steps": torch.tensor(STEPS)}, work / "inputs.safetensors")
+    run_consumer(venv, "consumer_speculators.py", "load", export, work / "inputs.safetensors", work / "speculators")
+    theirs = load_file(work / "speculators" / "logits.safetensors")
+    diffs = [float((ours[i] - theirs[f"logits.{i}"][:, : ours[i].shape[1]]).abs().max()) for i in range(STEPS)]
+    read = json.loads((work / "speculators" / "read.json").read_text())
+    return {"max_abs_logit_diff_per_step": diffs, "max_abs_logit_diff": max(diffs),
+            "field_differences": [] if corrupt else field_differences(read, export, target),
+            "never_loaded": read["never_loaded"], "speculators_read": read}
+
+
+def field_differences(read: dict, export: Path, target) -> list[str]:
+    """Fields speculators read that differ from what our reader reads from the same files."""
+    ours, _, _, _ = read_eagle3_export(export, "vllm", target=target_info(target))
+    mine = {**asdict(ours), "eagle_aux_hidden_state_layer_ids": ours.aux_layers, "norm_before_residual": False,
+            "target_vocab_size": ours.vocab_size, "target_hidden_size": ours.hidden_size, "num_hidden_layers": 1,
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False, "tie_word_embeddings": False}
+    return [f"{key}: speculators {read[key]!r}, ours {mine[key]!r}" for key in sorted(read.keys() & mine.keys())
+            if read[key] != mine[key]]
+
+
+# ---- a drafter speculators created and saved -> a proposer here ------------------------------------
+
+def check_speculators_drafter(target, work: Path, venv: Path, corrupt=None) -> dict:
+    verifier = write_verifier(target, work / "verifier")
+    ids = prompt_ids(target)
+    layers = [2, target.num_layers // 2, target.num_layers - 3]  # speculators' default ids (HF indices)
+    fused = features(target, ids, layers)
+    pending = int(target.model(ids).logits[0, -1].argmax())  # the target's next token: the root
+    save_file({"hidden_states": fused.contiguous(), "input_ids": shift_left(ids, 1), "pending": torch.tensor(pending),
+               "steps": torch.tensor(STEPS), "draft_vocab_size": torch.tensor(DRAFT_VOCAB.get(target.name, 4096))},
+              work / "inputs.safetensors")
+    run_consumer(venv, "consumer_speculators.py", "create", verifier, work / "inputs.safetensors", work / "speculators")
+    theirs = load_file(work / "speculators" / "chain.safetensors")
+    proposer = load_proposer(str(work / "speculators" / "drafter"), target, parse_tree_spec(f"chain:{STEPS}"))
+    proposer.reset(ids[0], target.features(ids, layers=layers, logits=False))
+    tree = proposer.propose(ids[0], pending, SamplingConfig(temperature=0.0))
+    logits, chain_logits = drafter_logits(proposer, fused, ids, theirs["chain"])
+    return {"speculators_chain": theirs["chain"].tolist(), "our_chain": tree.tokens.tolist(),
+            "same_chain": tree.tokens.tolist() == theirs["chain"].tolist(),
+            "max_abs_logit_diff": max(float((logits - theirs["logits"]).abs().max()),
+                                      float((chain_logits - theirs["chain_logits"]).abs().max())),
+            "cli_defaults_refused": refusal(work / "speculators" / "drafter-cli-defaults", target)}
+
+
+@torch.no_grad()
+def drafter_logits(proposer, fused, ids, chain):
+    # the loaded drafter's own inference path: prefill the prompt pairs and the root (pending), then
+    # one cached step per draft of speculators' chain -> ((1, T, Vd), (K, Vd) at chain depths 0..K-1)
+    drafter, cache = proposer.drafter, Eagle3Cache()
+    hidden, logits = drafter.prefill(fused, torch.cat([ids[:, 1:], chain[None, :1]], 1), proposer.embed, cache)
+    steps, last = [logits[0, -1]], hidden[:, -1:]
+    for token in chain[1:-1]:
+        last, step = drafter.step(last, token.view(1, 1), proposer.embed, cache)
+        steps.append(step[0, -1])
+    return logits, torch.stack(steps)
+
+
+def refusal(path: Path, target) -> str | None:
+    """-> the error a drafter this project cannot run (EAGLE-3.1 norms, sliding window) is refused
+    with, or None if it loaded (it must not: it would draft with other math, silently)."""
+    try:
+        load_proposer(str(path), target, parse_tree_spec("chain:1"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+# ---- sglang export -> what SGLang reads -------------------------------------------------------------
+
+def check_sglang_export(target, work: Path, venv: Path, corrupt=None) -> dict:
+    ckpt = save_drafter(target, work / "ckpt")
+    export = export_checkpoint(ckpt, "sglang", work / "sglang", target=target).path
+    if corrupt is not None:
+        corrupt(export)
+    run_consumer(venv, "consumer_sglang.py", export, work / "sglang_read.json")
+    read = json.loads((work / "sglang_read.json").read_text())
+    aux = load_checkpoint(ckpt).config["aux_layers"]
+    problems = list(read["problems"])
+    if read.get("captured_hf_indices") != aux:
+        problems.append(f"SGLang captures HF hidden states {read.get('captured_hf_indices')}, trained on {aux}")
+    return {**read, "problems": problems}
+
+
+CHECKS = {"vllm->speculators": check_vllm_export, "speculators->here": check_speculators_drafter,
+          "sglang": check_sglang_export}
+
+
+def failures(name: str, result: dict) -> list[str]:
+    if name == "speculators->here":
+        bad = [] if result["same_chain"] else [f"chains differ: {result}"]
+        if result["cli_defaults_refused"] is None:
+            bad.append("a drafter with speculators' EAGLE-3.1 training defaults loaded here")
+    elif name == "sglang":
+        return result["problems"]
+    else:
+        bad = result["field_differences"] + [f"never loaded: {n}" for n in result["never_loaded"]]
+        if not result["speculators_read"]["embedding_is_verifiers"]:
+            bad.append("speculators drafts with another token embedding than the target's")
+    if result["max_abs_logit_diff"] > TOLERANCE:
+        bad.append(f"max |logit diff| {result['max_abs_logit_diff']:.2e} > {TOLERANCE}")
+    return bad
+
+
+def check_target(name: str, work: Path, venv: Path, checks=tuple(CHECKS)) -> dict:
+    target = load_target(name)
+    return {check: CHECKS[check](target, work / name / check.replace(">", ""), venv) for check in checks}
+
+
+def report(name: str, results: dict) -> list[str]:
+    """Prints one line per check; -> the failures."""
+    bad = []
+    for check, result in results.items():
+        problems = failures(check, result)
+        bad += [f"{name} {check}: {p}" for p in problems]
+        diff = result.get("max_abs_logit_diff")
+        print(f"{name:24s} {check:18s} {'FAIL' if problems else 'ok':4s}"
+              + (f"  max |logit diff| {diff:.2e}" if diff is not None else "")
+              + (f"  (importing sglang stops at {result['import_stops_at']})" if result.get("import_stops_at") else ""))
+    return bad
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--targets", nargs="+", default=["tiny-random-llama", "smollm2-135m-instruct"])
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the consumer virtual environment")
+    p.add_argument("--work", type=Path, default=None, help="exchange directory (default: a temporary one)")
+    p.add_argument("--json", type=Path, default=None, help="write every result here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    work = args.work or Path(tempfile.mkdtemp(prefix="check-consumers-"))
+    results, bad = {}, []
+    consumer_python(args.venv)  # fail before any work if the consumers' venv is missing
+    for name in args.targets:
+        results[name] = check_target(name, work, args.venv)
+        bad += report(name, results[name])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print("\n".join(bad) if bad else f"all consumer checks passed (work files in {work})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Our exports read by the code that consumes them (eval/check_consumers.py): speculators 0.9
+loads the vllm export and reproduces our logits, a drafter speculators saved drafts the same
+chain here, SGLang's config handling and weight-name mapping cover the sglang export. Each check
+has a control with a planted fault that it must catch.
+
+The consumers live in their own virtual environment (speculators pins transformers <= 5.19):
+    bash .ci/consumers-venv                      # about 4 minutes on a 2-core CPU machine
+    pytest -m consumers
+Without it these tests skip. DRAFTERS_CONSUMERS_VENV points at another location.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import load_script
+
+check = load_script("eval/check_consumers.py")
+VENV = Path(os.environ.get("DRAFTERS_CONSUMERS_VENV", check.DEFAULT_VENV))
+
+pytestmark = [
+    pytest.mark.consumers,
+    pytest.mark.skipif(not (VENV / "bin" / "python").is_file(),
+                       reason=f"no consumers venv at {VENV}: create it with `bash .ci/consumers-venv`"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from drafters.targets import load_target
+
+    return load_target("tiny-random-llama")
+
+
+def run(name, target, tmp_path, corrupt=None):
+    result = check.CHECKS[name](target, tmp_path, VENV, corrupt=corrupt)
+    return result, check.failures(name, result)
+
+
+def test_speculators_reproduces_our_vllm_export(tiny, tmp_path):
+    result, failures = run("vllm->speculators", tiny, tmp_path)
+    assert failures == [] and result["max_abs_logit_diff"] <= check.TOLERANCE
+    assert result["speculators_read"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # HF indices
+
+
+def test_control_speculators_sees_a_wrong_residual(tiny, tmp_path):
+    def norm_before_residual(export):  # the field vLLM defaults to True when it is missing
+        config = json.loads((export / "config.json").read_text())
+        (export / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
+
+    result, _ = run("vllm->speculators", tiny, tmp_path, corrupt=norm_before_residual)
+    assert result["max_abs_logit_diff"] > 100 * check.TOLERANCE
+
+
+def test_a_drafter_speculators_saved_drafts_the_same_chain_here(tiny, tmp_path):
+    result, failures = run("speculators->here", tiny, tmp_path)
+    assert failures == [] and result["same_chain"] and len(result["our_chain"]) == 1 + check.STEPS
+    assert "norm_before_fc = True, norm_output = True" in result["cli_defaults_refused"]
+
+
+def test_sglang_loads_every_tensor_of_our_sglang_export(tiny, tmp_path):
+    result, failures = run("sglang", tiny, tmp_path)
+    assert failures == []
+    assert result["captured_hf_indices"] == [2, 4, 5]  # written [1, 3, 4]: SGLang adds 1
+    assert result["weights"]["midlayer.self_attn.q_proj.weight"] == "model.layers.0.self_attn.qkv_proj.weight"
+
+
+def test_control_sglang_drops_a_misnamed_tensor(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def rename(export):
+        tensors = load_file(export / "model.safetensors")
+        tensors["midlayer.hiddennorm.weight"] = tensors.pop("midlayer.hidden_norm.weight")
+        save_file(tensors, export / "model.safetensors")
+
+    _, failures = run("sglang", tiny, tmp_path, corrupt=rename)
+    assert any("midlayer.hiddennorm.weight: no SGLang parameter" in f for f in failures)
+    assert any("hidden_norm.weight: loaded shards []" in f for f in failures)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", list(check.CHECKS))
+def test_smollm2(tmp_path, name):
+    from drafters.targets import load_target
+
+    result, failures = run(name, load_target("smollm2-135m-instruct"), tmp_path)
+    assert failures == [], result
