@@ -27,13 +27,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from drafters.errors import UserError
+
 FORMAT = "drafters/1"
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
 # What a drafter must agree on with the target it runs against (see `check_target`).
 TARGET_FIELDS = ("model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     pass
 
 

@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import jinja2
 import torch
 
+from drafters.errors import UserError
+
 FORMATS = ("auto", "sharegpt", "openai", "text", "prompt")
 ROLES = {
     "sharegpt": {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -40,7 +42,7 @@ LOCAL_SUFFIXES = (".json", ".jsonl")
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """The whole input is unusable; the message says what to do."""
 
 

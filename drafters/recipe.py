@@ -16,19 +16,22 @@ from typing import Any, Sequence, TypeVar
 
 import yaml
 
+from drafters.errors import UserError
+
 T = TypeVar("T")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     pass
 
 
 def run_main(main) -> None:
-    """An entry script's `if __name__ == "__main__":` - main(sys.argv[1:]), where a RecipeError (a wrong
-    recipe, what to do about it) prints `error: <message>` and exits 2, without a traceback."""
+    """An entry script's `if __name__ == "__main__":` - main(sys.argv[1:]), where a UserError (a wrong
+    recipe, data file, target or checkpoint, and what to do about it) prints `error: <message>` and exits
+    2, without a traceback."""
     try:
         main(sys.argv[1:])
-    except RecipeError as error:
+    except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 

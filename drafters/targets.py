@@ -21,11 +21,12 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from drafters.errors import UserError
 from drafters.hashing import file_sha256
 from drafters.tiny import TINY_TARGETS, build_tiny_target
 
 
-class TargetError(ValueError):
+class TargetError(UserError):
     pass
 
 

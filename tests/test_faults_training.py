@@ -237,6 +237,23 @@ def test_a_recipe_error_prints_only_its_message(script, recipe):
     assert done.stderr.splitlines()[-1].startswith(f"error: {recipe}: unknown key 'bogus_key'")
 
 
+@pytest.mark.parametrize("override, message", [
+    ("data.path={junk}", "error: {junk} is a folder but not a readable `datasets` save_to_disk folder"),
+    ("target=no-such-target-dir/", "error: "),
+])
+def test_a_data_or_target_error_prints_only_its_message(tmp_path, override, message):
+    # every UserError (recipe, data, target, checkpoint), not only RecipeError, ends without a traceback
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "x.bin").write_text("not a dataset")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "train/eagle.py", "recipes/eagle3_tiny.yaml", override.format(junk=junk),
+                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(message.format(junk=junk)), done.stderr[-1000:]
+
+
 def truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
