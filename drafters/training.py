@@ -611,14 +611,24 @@ def save_resumable(accelerator, path: Path, step: int, position: Position, token
         save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
 
 
+def disk_full(err: BaseException) -> bool:
+    """ENOSPC as an OSError, or as the writers report it: safetensors ("I/O error: No space left on
+    device (os error 28)") and torch.save ("file write failed") raise their own exception types."""
+    if isinstance(err, OSError):
+        return err.errno == errno.ENOSPC
+    text = str(err)
+    return "No space left on device" in text or "os error 28" in text or (
+        isinstance(err, RuntimeError) and "file write failed" in text)
+
+
 @contextmanager
 def disk_full_says(path: Path):
     """A full disk while saving ends the run with what to do (the writes are atomic: the temporary
     directory is gone and earlier checkpoints are intact), not an OSError traceback."""
     try:
         yield
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is a full disk
+        if not disk_full(err):
             raise
         saved = [p for _, p in step_checkpoints(path.parent) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
         then = f"resume from {saved[-1]} (resume_from=latest)" if saved else "run again (no checkpoint was saved yet)"

@@ -277,9 +277,20 @@ def test_a_truncated_checkpoint_is_named_and_latest_falls_back_to_the_previous_o
     assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
 
 
-def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+def enospc_oserror():
     import errno
 
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def enospc_safetensors():  # what safetensors raised on a really full tmpfs (the hand-run fault matrix)
+    from safetensors import SafetensorError
+
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("full", [enospc_oserror, enospc_safetensors])
+def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch, full):
     from drafters import checkpoint
 
     out, save_file = tmp_path / "run", checkpoint.save_file
@@ -288,7 +299,7 @@ def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoi
     def full_at_the_second_save(*args, **kwargs):
         saves["n"] += 1
         if saves["n"] == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise full()
         return save_file(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_file", full_at_the_second_save)
