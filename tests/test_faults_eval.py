@@ -158,6 +158,20 @@ def test_a_hub_id_or_local_copy_of_the_target_counts_as_the_same_verifier():
     assert not _same_model("tiny-random-gemma3", "tiny-random-llama")
 
 
+def test_a_verifier_recorded_as_a_local_directory_is_compared_by_its_config(tmp_path, target):
+    # speculators records the verifier it trained with; often a local directory, whose name says nothing
+    from drafters.proposers.loading import _verifier_problems
+
+    local = tmp_path / "my-verifier"
+    local.mkdir()
+    target.config.to_json_file(local / "config.json")
+    config = {"speculators_config": {"verifier": {"name_or_path": str(local)}}}
+    assert _verifier_problems(config, target) == []
+    other = load_target("tiny-random-gemma3")
+    other.config.to_json_file(local / "config.json")
+    assert _verifier_problems(config, target) == [f"verifier / base model {str(local)!r} is not 'tiny-random-llama'"]
+
+
 # ---- 4. a message or a counted skip, never a traceback ----------------------------------------------
 
 def chat_row(answer: str) -> dict:

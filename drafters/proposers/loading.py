@@ -203,7 +203,7 @@ def _verifier_problems(config: dict, target) -> list[str]:
     # a local copy's directory or a .gguf file of the same model agree), and architectures exactly
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     name, problems = _recorded_name(config), []
-    if name and not _same_model(name, target.name):
+    if name and not (_same_local_model(name, target) if _local_config(name) else _same_model(name, target.name)):
         problems.append(f"verifier / base model {name!r} is not {target.name!r}")
     architectures, have = verifier.get("architectures") or [], target_info(target)["architectures"]
     if architectures and have and architectures != have:
@@ -215,6 +215,25 @@ def _recorded_name(config: dict) -> str | None:
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     name = verifier.get("name_or_path") or config.get("base_model_name_or_path")
     return name if isinstance(name, str) and name else None
+
+
+def _local_config(name: str) -> Path | None:
+    config = Path(name).expanduser() / "config.json"
+    return config if config.is_file() else None
+
+
+def _same_local_model(name: str, target) -> bool:
+    # a verifier recorded as a local model directory (speculators often records one) is compared by
+    # what its config.json says, not by its directory's name
+    try:
+        config = json.loads(_local_config(name).read_text())
+    except (OSError, ValueError):
+        return False
+    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    have = target_info(target)
+    recorded = {"model_type": config.get("model_type"), "num_layers": config.get("num_hidden_layers"),
+                "hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size")}
+    return all(have[k] == v for k, v in recorded.items())
 
 
 def _same_model(recorded: str, name: str) -> bool:
