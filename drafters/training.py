@@ -425,7 +425,9 @@ class StopRequests:
     def __enter__(self):
         self.signal, self.previous = None, {}
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            self.previous = {s: signal.signal(s, self.record) for s in self.SIGNALS}
+            # a signal the launcher ignores stays ignored (a shell's background `cmd &` ignores SIGINT)
+            self.previous = {s: signal.signal(s, self.record) for s in self.SIGNALS
+                             if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def record(self, signum, frame) -> None:

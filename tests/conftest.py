@@ -25,6 +25,20 @@ def load_script(relative_path: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def default_signal_handlers():
+    # Tests that send SIGINT / SIGTERM to a training loop expect the interactive defaults, whatever the
+    # launcher set (a shell's background job, as CI may be, starts with SIGINT ignored).
+    import signal
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return build_tiny_target("tiny-random-llama")

@@ -120,6 +120,20 @@ def test_interrupt_in_any_phase_saves_the_finished_step_and_resumes_bitwise(unin
 LONG = ["max_steps=60", "log_every=1", "save_every=0"]  # about 5 s: time to signal it mid-run
 
 
+def test_an_ignored_signal_stays_ignored_during_the_loop():
+    # a launcher that ignores SIGINT (`cmd &` in a shell script, nohup) keeps it ignored: no stop, no save
+    from drafters.training import StopRequests
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with StopRequests() as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop.record  # SIGTERM is still honoured
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal is None
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
     whole, out = tmp_path / "whole", tmp_path / "terminated"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
