@@ -102,9 +102,9 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
             log_q = torch.log_softmax(z, dim=-1)
             loss += -(target_p[rows] * log_q).sum()
             argmax[rows] = z.argmax(-1)
-            dz = (log_q.exp_() - target_p[rows]).mul_(scale)  # (c, Vd) = scale * (q - p)
-            grad_x[rows] = (dz.to(x.dtype) @ w).to(x.dtype)
-            grad_w += (dz.to(x.dtype).T @ x[rows]).float()
+            dz = (log_q.exp_() - target_p[rows]).mul_(scale).to(x.dtype)  # (c, Vd) = scale * (q - p)
+            grad_x[rows] = dz @ w
+            grad_w += (dz.T @ x[rows]).float()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(argmax)

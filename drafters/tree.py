@@ -319,9 +319,6 @@ def _parse_dynamic(arg: str) -> DynamicSpec:
     return DynamicSpec(**fields)
 
 
-# ---------------------------------------------------------------- helpers for proposers that sample
-
-
 def merge_trees(tree: Tree, extra: Tree, max_new: int | None = None) -> Tree:
     """`tree` plus the paths of `extra` (same root token) as a trie: extra node i lands on the node of `tree`
     with the same parent and token if there is one, else on a new node appended after `tree`'s (parents
@@ -347,6 +344,9 @@ def merge_trees(tree: Tree, extra: Tree, max_new: int | None = None) -> Tree:
         where[i] = node_of[key]
     return Tree(torch.tensor(tokens, dtype=torch.long, device=tree.tokens.device),
                 torch.tensor(parents, dtype=torch.long, device=tree.tokens.device))
+
+
+# ---------------------------------------------------------------- helpers for proposers that sample
 
 
 def with_draft_probs(tree: Tree, probs: dict[int, Tensor]) -> Tree:
