@@ -11,7 +11,7 @@ Feature (`Eagle1Config.feature`):
               logits = lm_head(final_norm(x)): the target's own head.
     normed    the final-normed last hidden state (HF hidden_states[-1]), what the official EAGLE code
               and SGLang feed the drafter; logits = lm_head(x). Engines that load the official layout
-              (drafters.export_eagle1) run only this one.
+              (drafters.export.eagle1) run only this one.
 The frozen head (target final norm, LM head, logit softcap) and embedding belong to the target: they are
 attached / passed in by the caller, never parameters of the drafter, never saved with it. The drafter has
 no reduced vocabulary: it drafts over all target ids (`draft_vocab` is the identity map).
@@ -92,7 +92,7 @@ class FrozenHead:
     def __call__(self, x: Tensor) -> Tensor:
         x = x.to(self.lm_head.weight.dtype)  # a float32 drafter on a bf16 target
         if self.final_norm is not None:
-            # .forward, not __call__: the decoder's capture hook on this norm (drafters.decoding) must
+            # .forward, not __call__: the decoder's capture hook on this norm (drafters.decode.decoder) must
             # only ever see the target's own pre-norm states, never the drafter's
             x = self.final_norm.forward(x)
         logits = self.lm_head(x)
@@ -254,7 +254,7 @@ class Eagle1Drafter(nn.Module):
                             feature_losses=feature_losses, token_losses=token_losses,
                             step_accuracies=accuracies, step_counts=counts, step_logits=step_logits)
 
-    # ---- inference: one step at a time with a real KV cache (drafters.proposers.eagle) -------------
+    # ---- inference: one step at a time with a real KV cache (drafters.decode.proposers.eagle) -------------
 
     def prefill(self, features, input_ids, embed, cache: Eagle3Cache, positions=None):
         """Append pairs (feature_t, token_{t+1}): features (B, T, h) at cache slots S..S+T-1

@@ -153,7 +153,7 @@ def ttt_input_ids(input_ids: Tensor, step: int) -> Tensor:
 # Labels of step i exist for positions t = 0 .. T-2-i (later positions have no target row).
 # Step i at t has read token_{t+1+i} and predicts token_{t+2+i}; the target's logits at row t+1+i
 # are its distribution over token t+2+i, so label[:, t] = target row t+1+i. The label counts iff
-# token t+2+i is supervised: loss_mask[t+2+i] (drafters.data: loss_mask[s] = 1 iff token s is a
+# token t+2+i is supervised: loss_mask[t+2+i] (drafters.training.data: loss_mask[s] = 1 iff token s is a
 # token to learn), 0 past the end of the row.
 
 def ttt_label_rows(target_rows: Tensor, step: int) -> Tensor:

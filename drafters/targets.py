@@ -22,7 +22,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafters.errors import UserError
-from drafters.hashing import file_sha256
+from drafters.files import file_sha256
 from drafters.tiny import TINY_TARGETS, build_tiny_target
 
 

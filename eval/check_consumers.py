@@ -36,12 +36,12 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features, shift_left
-from drafters.export import export_checkpoint
-from drafters.export_check import read_eagle3_export
-from drafters.proposers.loading import load_proposer
-from drafters.sampling import SamplingConfig
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.check import read_eagle3_export
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.sampling import SamplingConfig
 from drafters.targets import load_target
-from drafters.tree import parse_tree_spec
+from drafters.decode.tree import parse_tree_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".venv-speculators"

@@ -13,7 +13,7 @@ out/runs/ and is reused when the command is repeated with the same target and se
 drafter's files are unchanged (sha256): an interrupted comparison resumes; delete a JSON to redo it.
 Training budgets and curves are read from each checkpoint's drafter.json and the metrics.jsonl of
 its run directory. The report is
-out/index.md with PNG plots beside it (drafters.report).
+out/index.md with PNG plots beside it (drafters.decode.report).
 
 Refused with a clear error, before anything runs: a drafter directory that is not a checkpoint,
 drafters trained for different targets, or for another target than --target.
@@ -25,15 +25,12 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # eval/tau.py, run in-process
-
-import tau
-
+from drafters.decode import evaluate as tau  # what eval/tau.py runs, in this process
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, target_info
-from drafters.proposers.loading import load_proposer, proposer_sha256
-from drafters.report import Entry, render
+from drafters.decode.proposers.loading import load_proposer, proposer_sha256
+from drafters.decode.report import Entry, render
 from drafters.targets import load_target
-from drafters.tree import parse_tree_spec
+from drafters.decode.tree import parse_tree_spec
 
 
 def parse_args(argv):

@@ -21,8 +21,9 @@ import argparse
 import sys
 
 from drafters.checkpoint import CheckpointError
-from drafters.export import DTYPES, FORMATS, ExportError, describe, export_checkpoint
-from drafters.export_check import ExportCheckError
+from drafters.export.common import DTYPES, ExportError, describe
+from drafters.export.dispatch import FORMATS, export_checkpoint
+from drafters.export.check import ExportCheckError
 from drafters.targets import TargetError, load_target
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from drafters import benches
-from drafters.benches import BenchItem, load_bench, render_prompt
+from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.tiny import build_tiny_tokenizer
 
 

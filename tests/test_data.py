@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from drafters.data import (
+from drafters.training.data import (
     DataError,
     Example,
     build_examples,

@@ -5,10 +5,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 
-from drafters.decoding import compact_cache, speculative_generate, tree_attention_mask, tree_forward
-from drafters.proposers import TargetNeeds
+from drafters.decode.decoder import compact_cache, speculative_generate, tree_attention_mask, tree_forward
+from drafters.decode.proposers import TargetNeeds
 from drafters.tiny import build_tiny_target
-from drafters.tree import EAGLE1_PATHS, Frontier, Tree, TreeShape, build_dynamic_tree, build_static_tree
+from drafters.decode.tree import EAGLE1_PATHS, Frontier, Tree, TreeShape, build_dynamic_tree, build_static_tree
 
 VOCAB = 259
 MODELS = ["varied_llama", "tiny_gemma3"]
@@ -249,7 +249,7 @@ def test_bad_arguments_raise(tiny_gemma3):
 
 
 def test_round_stats_depth_acceptance():
-    from drafters.decoding import RoundStats
+    from drafters.decode.decoder import RoundStats
 
     stats = RoundStats(accepted=[2, 0, 3, 1], tree_sizes=[4, 4, 4, 3], tree_depths=[3, 3, 3, 2])
     assert stats.tau == (3 + 1 + 4 + 2) / 4

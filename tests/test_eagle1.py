@@ -15,18 +15,19 @@ from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, target_info
-from drafters.decoding import speculative_generate
+from drafters.decode.decoder import speculative_generate
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, shift_left
-from drafters.export import ExportError, export_checkpoint
-from drafters.export_eagle1 import check_eagle1_export, expected_shapes
-from drafters.proposers.eagle1 import load_eagle1_proposer
-from drafters.proposers.loading import load_proposer
-from drafters.recipe import RecipeError
-from drafters.sampling import SamplingConfig, warp
+from drafters.export.common import ExportError
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.eagle1 import check_eagle1_export, expected_shapes
+from drafters.decode.proposers.eagle1 import load_eagle1_proposer
+from drafters.decode.proposers.loading import load_proposer
+from drafters.training.recipe import RecipeError
+from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import Target
 from drafters.tiny import build_tiny_target
-from drafters.tree import parse_tree_spec
+from drafters.decode.tree import parse_tree_spec
 from conftest import load_script  # tests/ is on sys.path under pytest
 from test_sampling import chi_square_pvalue
 

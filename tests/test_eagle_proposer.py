@@ -13,12 +13,12 @@ import torch
 from transformers import GenerationConfig
 
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
-from drafters.decoding import speculative_generate
+from drafters.decode.decoder import speculative_generate
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features
-from drafters.proposers.adaptive import AdaptiveChain
-from drafters.proposers.eagle import load_eagle_proposer
-from drafters.sampling import SamplingConfig
+from drafters.decode.proposers.adaptive import AdaptiveChain
+from drafters.decode.proposers.eagle import load_eagle_proposer
+from drafters.decode.sampling import SamplingConfig
 from drafters.targets import Target, TargetFeatures
 from drafters.tiny import build_tiny_target
 

@@ -9,9 +9,10 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.export import ExportError, export_checkpoint
-from drafters.export_check import ExportCheckError, check_export
-from drafters.sampling import SamplingConfig
+from drafters.export.common import ExportError
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.check import ExportCheckError, check_export
+from drafters.decode.sampling import SamplingConfig
 from drafters.targets import load_target
 from conftest import load_script  # tests/ is on sys.path under pytest
 
@@ -269,9 +270,9 @@ def test_cli_end_to_end(tmp_path, ckpt, capsys):
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 def test_exported_drafter_drafts_exactly_like_its_checkpoint(exports, ckpt, target, fmt):
     # an export dir is a proposer spec too (eval/tau.py --proposer DIR): the same trees every round
-    from drafters.decoding import speculative_generate
-    from drafters.proposers.loading import load_proposer
-    from drafters.tree import parse_tree_spec
+    from drafters.decode.decoder import speculative_generate
+    from drafters.decode.proposers.loading import load_proposer
+    from drafters.decode.tree import parse_tree_spec
 
     tree = parse_tree_spec("dynamic:total=8,depth=3,topk=2")
     prompt = torch.tensor([5, 17, 99, 42, 7, 7, 130, 64])
@@ -287,8 +288,8 @@ def test_exported_drafter_drafts_exactly_like_its_checkpoint(exports, ckpt, targ
 
 
 def test_exported_drafter_for_a_shorter_context_target_is_refused(exports):
-    from drafters.proposers.loading import load_proposer
-    from drafters.tree import parse_tree_spec
+    from drafters.decode.proposers.loading import load_proposer
+    from drafters.decode.tree import parse_tree_spec
 
     short = load_target("tiny-random-llama")
     short.config.max_position_embeddings //= 2  # as if the target were another model
@@ -313,9 +314,8 @@ def as_speculators_saves_it(path):
 def test_a_speculators_saved_drafter_drafts_here(tmp_path, exports, target, embedding):
     # speculators' saves were refused here (architectures ['Eagle3DraftModel'], no rope_theta);
     # a drafter with its own embedding drafts with it, as vLLM does
-    from drafters.decoding import speculative_generate
-    from drafters.proposers.loading import load_proposer
-    from drafters.tree import parse_tree_spec
+    from drafters.decode.proposers.loading import load_proposer
+    from drafters.decode.tree import parse_tree_spec
 
     copy = shutil.copytree(exports["vllm"], tmp_path / "speculators")
     as_speculators_saves_it(copy)

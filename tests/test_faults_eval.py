@@ -10,13 +10,14 @@ from safetensors.torch import load_file, save_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint, target_info
-from drafters.data import DataError, load_conversations
-from drafters.export import ExportError, export_checkpoint
-from drafters.export_check import ExportCheckError, check_export
-from drafters.export_medusa import read_medusa_export
-from drafters.proposers.loading import load_proposer
+from drafters.training.data import DataError, load_conversations
+from drafters.export.common import ExportError
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.check import ExportCheckError, check_export
+from drafters.export.medusa import read_medusa_export
+from drafters.decode.proposers.loading import load_proposer
 from drafters.targets import load_target
-from drafters.tree import DynamicSpec, parse_tree_spec
+from drafters.decode.tree import DynamicSpec, parse_tree_spec
 from test_export import save_eagle3
 from test_medusa import medusa_checkpoint
 
@@ -150,7 +151,7 @@ def test_an_export_for_another_target_is_refused_listing_what_differs(tmp_path, 
 
 
 def test_a_hub_id_or_local_copy_of_the_target_counts_as_the_same_verifier():
-    from drafters.proposers.loading import _same_model
+    from drafters.decode.proposers.loading import _same_model
 
     assert _same_model("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct")
     assert _same_model("google/gemma-3-270m", "gemma3-270m")
@@ -160,7 +161,7 @@ def test_a_hub_id_or_local_copy_of_the_target_counts_as_the_same_verifier():
 
 def test_a_verifier_recorded_as_a_local_directory_is_compared_by_its_config(tmp_path, target):
     # speculators records the verifier it trained with; often a local directory, whose name says nothing
-    from drafters.proposers.loading import _verifier_problems
+    from drafters.decode.proposers.loading import _verifier_problems
 
     local = tmp_path / "my-verifier"
     local.mkdir()
@@ -202,7 +203,7 @@ def test_a_junk_folder_as_data_path_names_the_path_and_the_accepted_forms(tmp_pa
 
 # ---- 2. caches and merges trust contents, not names --------------------------------------------------
 
-tau = load_script("eval/tau.py")
+from drafters.decode import evaluate as tau  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint
-from drafters.recipe import RecipeError
+from drafters.training.recipe import RecipeError
 
 eagle, heads = load_script("train/eagle.py"), load_script("train/heads.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ LONG = ["max_steps=60", "log_every=1", "save_every=0"]  # about 5 s: time to sig
 
 def test_an_ignored_signal_stays_ignored_during_the_loop():
     # a launcher that ignores SIGINT (`cmd &` in a shell script, nohup) keeps it ignored: no stop, no save
-    from drafters.training import StopRequests
+    from drafters.training.loop import StopRequests
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with StopRequests() as stop:
@@ -227,7 +227,7 @@ def test_a_draft_vocab_larger_than_the_targets_is_said(tmp_path, capsys):
 
 
 def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
-    from drafters.recipe import load_recipe
+    from drafters.training.recipe import load_recipe
 
     for layers, warned in (("[2, 5]", True), ("[2, 4, 5]", False), ("null", False)):
         eagle.check(load_recipe("recipes/eagle3_tiny.yaml", [f"layers={layers}"], schema=eagle.Recipe))
@@ -332,7 +332,7 @@ def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
     import dataclasses
     from typing import Literal
 
-    from drafters.recipe import load_recipe
+    from drafters.training.recipe import load_recipe
 
     @dataclasses.dataclass
     class Schema:

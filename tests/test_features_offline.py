@@ -1,4 +1,4 @@
-"""Offline target features (drafters.features, train/features.py): online == offline training losses,
+"""Offline target features (drafters.training.features, train/features.py): online == offline training losses,
 what the shards hold, resuming, and clear refusals of features computed for something else."""
 
 import json
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafters.data import Example
-from drafters.features import FeatureStore, FeatureStoreError
-from drafters.recipe import RecipeError
+from drafters.training.data import Example
+from drafters.training.features import FeatureStore, FeatureStoreError
+from drafters.training.recipe import RecipeError
 from drafters.targets import load_target
 from conftest import load_script  # tests/ is on sys.path under pytest
 
@@ -179,9 +179,9 @@ def test_eagle3_shards_hold_the_fused_layers_and_the_label_hidden_state(written_
 def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(scripts, tmp_path):
     # One batch, computed online (a target forward) and from float32 features written by ONE target forward
     # over the same examples (same padded length): the training loss and its gradients are the same bits.
-    from drafters.data import build_examples, collate
-    from drafters.features import features_header, offline_batches, write_features
-    from drafters.recipe import load_recipe
+    from drafters.training.data import build_examples, collate
+    from drafters.training.features import features_header, offline_batches, write_features
+    from drafters.training.recipe import load_recipe
 
     eagle = scripts[1]
     recipe = load_recipe(EAGLE3, [f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"],

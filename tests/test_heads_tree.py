@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from drafters.heads_tree import accuracy_table, cartesian_tree, chain_tree, expected_tau, greedy_tree
-from drafters.tree import TreeShape
+from drafters.training.heads_tree import accuracy_table, cartesian_tree, chain_tree, expected_tau, greedy_tree
+from drafters.decode.tree import TreeShape
 
 ACC = [[0.5, 0.2, 0.1], [0.4, 0.3, 0.05], [0.3, 0.1, 0.1]]  # acc[head][rank]
 

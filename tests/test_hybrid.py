@@ -5,10 +5,10 @@ round; decoding stays equal to generate; sampling is refused."""
 import pytest
 import torch
 
-from drafters.decoding import speculative_generate, verify_greedy
-from drafters.proposers.loading import load_proposer
-from drafters.sampling import SamplingConfig
-from drafters.tree import Tree, merge_trees, parse_tree_spec
+from drafters.decode.decoder import speculative_generate, verify_greedy
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.sampling import SamplingConfig
+from drafters.decode.tree import Tree, merge_trees, parse_tree_spec
 from test_eagle_proposer import NEW, PROMPT, setup  # noqa: F401  (the trained tiny EAGLE-3 drafter fixture)
 
 

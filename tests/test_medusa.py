@@ -12,14 +12,15 @@ from safetensors.torch import load_file, save_file
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import save_checkpoint, target_info
-from drafters.decoding import speculative_generate
-from drafters.export import ExportError, export_checkpoint
-from drafters.export_medusa import MedusaExportError, read_medusa_export
+from drafters.decode.decoder import speculative_generate
+from drafters.export.common import ExportError
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.medusa import MedusaExportError, read_medusa_export
 from drafters.heads import HeadRows, head_label_mask, heads_loss
 from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.proposers.loading import load_proposer
+from drafters.decode.proposers.loading import load_proposer
 from drafters.targets import load_target
-from drafters.tree import parse_tree_spec
+from drafters.decode.tree import parse_tree_spec
 
 D, V, K, N = 16, 40, 3, 2
 

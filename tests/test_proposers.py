@@ -7,15 +7,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters.checkpoint import save_checkpoint, target_info
-from drafters.decoding import speculative_generate
-from drafters.proposers.adaptive import AdaptiveChain
-from drafters.proposers.draft_model import DraftModelProposer
-from drafters.proposers.loading import load_proposer
-from drafters.proposers.prompt_lookup import PromptLookupProposer, find_continuations
-from drafters.sampling import SamplingConfig
+from drafters.decode.decoder import speculative_generate
+from drafters.decode.proposers.adaptive import AdaptiveChain
+from drafters.decode.proposers.draft_model import DraftModelProposer
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.proposers.prompt_lookup import PromptLookupProposer, find_continuations
+from drafters.decode.sampling import SamplingConfig
 from drafters.targets import load_target
 from drafters.tiny import build_tiny_target
-from drafters.tree import ChainSpec, DynamicSpec, parse_tree_spec
+from drafters.decode.tree import ChainSpec, DynamicSpec, parse_tree_spec
 
 GREEDY = SamplingConfig()
 

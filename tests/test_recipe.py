@@ -3,7 +3,7 @@ from typing import Literal
 
 import pytest
 
-from drafters.recipe import RecipeError, load_recipe
+from drafters.training.recipe import RecipeError, load_recipe
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from drafters.recipe import load_recipe
+from drafters.training.recipe import load_recipe
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]

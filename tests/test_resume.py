@@ -12,8 +12,8 @@ import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint
-from drafters.recipe import RecipeError
-from drafters.training import NonFiniteLoss
+from drafters.training.recipe import RecipeError
+from drafters.training.loop import NonFiniteLoss
 
 eagle = load_script("train/eagle.py")
 RECIPE = "recipes/eagle3_tiny.yaml"  # 6 steps, eval at 3 and 6

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from drafters.decoding import speculative_generate, verify_sampling
-from drafters.proposers import TargetNeeds
-from drafters.sampling import SamplingConfig, sample_without_replacement, warp
-from drafters.tree import Tree
+from drafters.decode.decoder import speculative_generate, verify_sampling
+from drafters.decode.proposers import TargetNeeds
+from drafters.decode.sampling import SamplingConfig, sample_without_replacement, warp
+from drafters.decode.tree import Tree
 
 # ---------------------------------------------------------------- warping
 

@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 
-from drafters.benches import BenchItem
-from drafters.decoding import RoundStats
-from drafters.sampling import SamplingConfig
-from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.decode.benches import BenchItem
+from drafters.decode.decoder import RoundStats
+from drafters.decode.sampling import SamplingConfig
 
-tau = load_script("eval/tau.py")
+from drafters.decode import evaluate as tau
 
 FIELDS = {"target", "proposer", "bench", "tree", "tree_budget", "sampling", "max_new_tokens",
           "num_prompts", "skipped", "rounds", "tau", "per_depth_acceptance", "baseline",

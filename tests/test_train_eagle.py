@@ -10,7 +10,7 @@ import torch
 
 from drafters.checkpoint import load_checkpoint
 from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter
-from drafters.recipe import RecipeError
+from drafters.training.recipe import RecipeError
 from drafters.tiny import build_tiny_target
 from conftest import load_script  # tests/ is on sys.path under pytest
 

@@ -14,17 +14,18 @@ from conftest import load_script  # tests/ is on sys.path under pytest
 from transformers import GenerationConfig
 
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from drafters.decoding import speculative_generate
+from drafters.decode.decoder import speculative_generate
 from drafters.heads import heads_loss
-from drafters.heads_tree import expected_tau
+from drafters.training.heads_tree import expected_tau
 from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.proposers.heads import HeadsProposer, load_heads, load_heads_proposer
-from drafters.proposers.loading import load_proposer
-from drafters.recipe import RecipeError
-from drafters.sampling import SamplingConfig, warp
+from drafters.decode.proposers.heads import HeadsProposer, load_heads_proposer
+from drafters.registry import load_drafter
+from drafters.decode.proposers.loading import load_proposer
+from drafters.training.recipe import RecipeError
+from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import Target, TargetFeatures, load_target
 from drafters.tiny import build_tiny_target
-from drafters.tree import parse_tree_spec
+from drafters.decode.tree import parse_tree_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tiny_conversations.jsonl"
@@ -87,7 +88,7 @@ def test_target_untouched_and_only_the_heads_train(run):
 def test_checkpoint_rebuilds_the_heads_and_carries_the_calibrated_tree(run):
     family, summary, output_dir = run
     ckpt = load_checkpoint(output_dir / "checkpoint-final", family=family)
-    rebuilt = load_heads(ckpt)
+    rebuilt = load_drafter(ckpt)
     for name, tensor in summary.drafter.state_dict().items():
         assert torch.equal(rebuilt.state_dict()[name], tensor), name
     assert ckpt.config["num_heads"] == K and ckpt.target["name"] == "tiny-random-llama"
@@ -265,7 +266,7 @@ def test_checkpoint_target_mismatch_and_bad_trees_fail_clearly(fitted, tmp_path)
     with pytest.raises(CheckpointError, match="no calibrated tree in the checkpoint"):
         load_heads_proposer(tmp_path / "untreed", target)
     with pytest.raises(RuntimeError, match="call reset"):
-        HeadsProposer(load_heads(ckpt), target.lm_head.weight, parse_tree_spec("chain:2")).propose(
+        HeadsProposer(load_drafter(ckpt), target.lm_head.weight, parse_tree_spec("chain:2")).propose(
             torch.tensor([1, 2]), 3, SamplingConfig())
 
 

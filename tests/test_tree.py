@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from drafters.tree import (
+from drafters.decode.tree import (
     EAGLE1_PATHS,
     MEDUSA_PATHS,
     ChainSpec,

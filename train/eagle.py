@@ -8,12 +8,12 @@ train / held-out split -> draft vocabulary counted on the TRAIN examples under t
 Eagle3Drafter (lm_head = the target LM head's rows of the draft vocabulary) -> AdamW with linear
 warmup then cosine or constant lr -> loop: target features (aux layers + logits, no grad) ->
 training-time test unroll -> backward -> clip -> step.
-EAGLE-1 (`drafter: eagle1`, drafters.eagle1 / drafters.eagle1_training): Eagle1Drafter on the target's
+EAGLE-1 (`drafter: eagle1`, drafters.eagle1 / drafters.training.eagle1): Eagle1Drafter on the target's
 frozen head and embedding, no draft vocabulary; features = the last hidden state (eagle1.feature) +
 logits; loss = eagle1.feature_weight * SmoothL1(feature_{t+1}) + eagle1.token_weight * soft CE(token
 t+2), U(-eagle1.noise, eagle1.noise) on the input features while training; metrics.jsonl step_loss =
 [feature, token] loss, step_acc = its top-1. With features.dir set (EAGLE-3 or EAGLE-1) the features are streamed from
-what `python train/features.py RECIPE` precomputed (drafters.features) instead of running the target;
+what `python train/features.py RECIPE` precomputed (drafters.training.features) instead of running the target;
 EAGLE-3's soft labels come from the stored final hidden state through the frozen head, at supervised rows.
 optim.clip_value (null = off) clips each gradient element before max_grad_norm clips the norm.
 
@@ -38,10 +38,10 @@ from torch import nn
 from tqdm import tqdm
 
 from drafters.checkpoint import target_info
-from drafters.data import collate
+from drafters.training.data import collate
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle1 import Eagle1Drafter, FrozenHead
-from drafters.eagle1_training import (
+from drafters.training.eagle1 import (
     Eagle1Objective,
     Eagle1Options,
     Features,
@@ -51,12 +51,12 @@ from drafters.eagle1_training import (
     evaluate_eagle1,
 )
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
-from drafters.export import ENGINE_AUX_LAYERS
-from drafters.features import FeatureStore, offline_batches, offline_loader
+from drafters.export.eagle3 import ENGINE_AUX_LAYERS
+from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.losses import HeadRows
-from drafters.recipe import RecipeError, run_main
+from drafters.training.recipe import RecipeError, run_main
 from drafters.targets import Target
-from drafters.training import (
+from drafters.training.loop import (
     MetricsLog,
     Position,
     RunBase,
@@ -235,7 +235,7 @@ def target_inputs(target: Target, head: FrozenHead, aux_layers: list[int], batch
 
 @torch.no_grad()
 def stored_inputs(head: FrozenHead, batch: dict, dtype: torch.dtype):
-    """target_inputs from offline features (drafters.features: fused features and label_hidden stored)."""
+    """target_inputs from offline features (drafters.training.features: fused features and label_hidden stored)."""
     return batch["features"].to(dtype), HeadRows(batch["label_hidden"], head)
 
 

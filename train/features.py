@@ -1,4 +1,4 @@
-"""Precompute a drafter family's target features once, to disk, for offline training (drafters.features).
+"""Precompute a drafter family's target features once, to disk, for offline training (drafters.training.features).
 
     python train/features.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2 [key=value ...]
     python train/eagle.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from drafters.data import build_examples
-from drafters.features import features_header, write_features
-from drafters.recipe import RecipeError, load_recipe, run_main
+from drafters.training.data import build_examples
+from drafters.training.features import features_header, write_features
+from drafters.training.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
 
 

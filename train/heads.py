@@ -17,7 +17,7 @@ Losses: medusa  sum_k medusa.step_weight^k CE_k (0.8: Medusa's decay; 1.0: the p
                 instead of the data token.
 Held-out evaluation = calibration: per head, how often its rank-r candidate is the target's greedy
 token; from these, the draft tree (tree.kind greedy: the tree.budget nodes of highest acceptance
-probability, drafters.heads_tree) and its predicted mean accepted length tau_pred.
+probability, drafters.training.heads_tree) and its predicted mean accepted length tau_pred.
 
 Writes to output_dir (relative paths in the recipe are relative to the current directory):
     metrics.jsonl       one row per optimizer step; step_loss / step_acc / step_acc_top5 are per head
@@ -43,14 +43,14 @@ from tqdm import tqdm
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import target_info
-from drafters.data import collate
+from drafters.training.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
-from drafters.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
+from drafters.training.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.proposers.heads import TREE_FILE
-from drafters.recipe import RecipeError, run_main
+from drafters.decode.proposers.heads import TREE_FILE
+from drafters.training.recipe import RecipeError, run_main
 from drafters.targets import Target
-from drafters.training import (
+from drafters.training.loop import (
     MetricsLog,
     Position,
     RunBase,
@@ -252,7 +252,7 @@ def target_inputs(target: Target, batch: dict, dtype: torch.dtype, logits: bool)
     return out.last_hidden.to(dtype), out.logits
 
 
-# ---- the loop (drafters.training.train_loop) ------------------------------------------------------
+# ---- the loop (drafters.training.loop.train_loop) ------------------------------------------------------
 
 
 class Run(RunBase):
@@ -331,7 +331,7 @@ def evaluate(drafter, target: Target, batches: list[dict], recipe: Recipe, accel
                          token greedy verification accepts after a correct prefix (drafters.heads.rank_hits)
         top1 = rank_acc[k][0], top5 = sum_{r<5} rank_acc[k][r]
         loss, head_loss = the training objective (sample_one evaluates the mean over heads)
-    The tree is built from rank_acc (drafters.heads_tree, heads assumed independent) and
+    The tree is built from rank_acc (drafters.training.heads_tree, heads assumed independent) and
         tau_pred = 1 + sum over its nodes of prod_{depth d} rank_acc[d-1][r_d]
     predicts the mean accepted length (bonus token included) of greedy decoding with it; tau_pred_chain
     the same for a chain of each head's top-1. The tree is calibrated on these same rows."""

@@ -21,17 +21,17 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from drafters.data import DataError, RowError, load_conversations, render
-from drafters.recipe import RecipeError, load_recipe, run_main
+from drafters.training.data import DataError, RowError, load_conversations, render
+from drafters.training.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
 
 
 @dataclass
 class Recipe:
     target: str  # short name, model directory, .gguf file or hub id (drafters.targets)
-    data: str  # JSON / JSONL file, save_to_disk folder or dataset name (drafters.data)
+    data: str  # JSON / JSONL file, save_to_disk folder or dataset name (drafters.training.data)
     output: str  # JSONL, appended to: re-running resumes
-    fmt: Literal["auto", "sharegpt", "openai", "prompt"] = "auto"  # see drafters.data
+    fmt: Literal["auto", "sharegpt", "openai", "prompt"] = "auto"  # see drafters.training.data
     split: str = "train"
     limit: int | None = None  # the first N input conversations (done or not)
     batch_size: int = 16

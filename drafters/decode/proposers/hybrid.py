@@ -11,9 +11,9 @@ Knows nothing about the target: it forwards the decoder's calls to both proposer
 
 from torch import Tensor
 
-from drafters.proposers.prompt_lookup import PromptLookupProposer
-from drafters.sampling import SamplingConfig
-from drafters.tree import Tree, merge_trees
+from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
+from drafters.decode.sampling import SamplingConfig
+from drafters.decode.tree import Tree, merge_trees
 
 
 class HybridProposer:

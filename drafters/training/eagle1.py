@@ -1,6 +1,6 @@
 """EAGLE-1 pieces of train/eagle.py (drafter: eagle1): its recipe sections, the objective accelerate
 prepares, the target inputs of a batch (online, or from offline features), the held-out evaluation.
-The loop, logging and checkpointing are train/eagle.py's and drafters.training's, shared with EAGLE-3.
+The loop, logging and checkpointing are train/eagle.py's and drafters.training.loop's, shared with EAGLE-3.
 """
 
 import math
@@ -24,7 +24,7 @@ class Eagle1Options:
 
 
 @dataclass
-class Features:  # offline target features (drafters.features; written by train/features.py)
+class Features:  # offline target features (drafters.training.features; written by train/features.py)
     dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # storage dtype (train/features.py)
     shard_rows: int = 512  # examples per safetensors shard (train/features.py)
@@ -86,7 +86,7 @@ class Eagle1Objective(nn.Module):
 def eagle1_inputs_fn(recipe, target, drafter: Eagle1Drafter) -> Callable[[dict], tuple[Tensor, Tensor]]:
     """-> batch -> (features (B, T, h) in the drafter's dtype, target logits (B, T, V)); no grad.
     Online: one target forward. Offline: the batch's stored features; logits = the frozen head on them
-    (drafters.features: exact up to the storage dtype)."""
+    (drafters.training.features: exact up to the storage dtype)."""
     feature, dtype = drafter.config.feature, drafter.fc.weight.dtype
 
     @torch.no_grad()

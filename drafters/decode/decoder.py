@@ -19,9 +19,9 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from drafters.proposers import Proposer, TargetNeeds
-from drafters.sampling import SamplingConfig, sample, warp
-from drafters.tree import Tree
+from drafters.decode.proposers import Proposer, TargetNeeds
+from drafters.decode.sampling import SamplingConfig, sample, warp
+from drafters.decode.tree import Tree
 
 
 @dataclass

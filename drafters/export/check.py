@@ -6,7 +6,7 @@ every config field and its type, every tensor name, shape (derived from the conf
 dtype, and that nothing unexpected is there; then it rebuilds an `Eagle3Drafter` from the files by
 its own name mapping and compares draft logits with the source checkpoint on fixed random inputs.
 
-It deliberately shares no key table, name mapping or helper with `drafters.export`: a bug in the
+It deliberately shares no key table, name mapping or helper with `drafters.export.dispatch`: a bug in the
 writer must not be able to hide itself here. It knows nothing about how the files were written.
 """
 

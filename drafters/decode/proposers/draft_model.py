@@ -7,7 +7,7 @@ in one forward. Shapes:
   - chain:K   K sequential one-token forwards; greedy at temperature 0, otherwise each token is
               sampled from the warped draft distribution q, which goes into `draft_probs` so the
               decoder can run lossless rejection sampling;
-  - static / dynamic trees: the generic builders of drafters.tree; `expand` is ONE batched
+  - static / dynamic trees: the generic builders of drafters.decode.tree; `expand` is ONE batched
     forward of the draft model over the frontier with a 4D tree mask (ancestors-or-self plus the
     whole committed prefix, sliding windows honoured); candidates are the top-k tokens, so tree
     drafts are deterministic (`draft_probs` None) at any temperature.
@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from drafters.proposers import PROPOSERS, TargetNeeds
-from drafters.sampling import SamplingConfig, sample, warp
-from drafters.tree import (
+from drafters.decode.proposers import PROPOSERS, TargetNeeds
+from drafters.decode.sampling import SamplingConfig, sample, warp
+from drafters.decode.tree import (
     ChainSpec,
     DynamicSpec,
     Frontier,

@@ -1,8 +1,8 @@
 """Draft trees for multi-head drafters, built from measured per-head top-k accuracies.
 
 A heads drafter drafts depth d of the tree with head d-1 alone: every node at depth d takes head
-d-1's candidate of its rank, whatever its parent (drafters.proposers.heads). A tree is a set of
-rank paths (r_1, ..., r_d) (drafters.tree.TreeShape). On a held-out calibration set,
+d-1's candidate of its rank, whatever its parent (drafters.decode.proposers.heads). A tree is a set of
+rank paths (r_1, ..., r_d) (drafters.decode.tree.TreeShape). On a held-out calibration set,
 
     acc[k][r] = P(head k's rank-r candidate is the true token)        (drafters.heads.rank_hits)
 
@@ -20,7 +20,7 @@ P never grows along a path (acc <= 1), so the B nodes of highest P form a valid 
 node's prefix scores at least as high and is taken first) and maximise E[tau] for a budget of B
 draft nodes: the greedy construction below (a best-first search over children) finds them.
 Nodes with P = 0 are never added: they cost verification and add nothing. Node budgets exclude
-the root, as everywhere in drafters.tree. Knows nothing about models.
+the root, as everywhere in drafters.decode.tree. Knows nothing about models.
 """
 
 import heapq
@@ -28,7 +28,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from drafters.tree import TreeShape
+from drafters.decode.tree import TreeShape
 
 
 @dataclass(frozen=True)

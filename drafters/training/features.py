@@ -45,12 +45,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from drafters.checkpoint import target_info
-from drafters.data import Example, collate
+from drafters.training.data import Example, collate
 from drafters.eagle3 import fuse_features
-from drafters.hashing import data_sha256
-from drafters.recipe import RecipeError
+from drafters.files import data_sha256
+from drafters.training.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
-from drafters.training import LengthBuckets, num_tokens
+from drafters.training.loop import LengthBuckets, num_tokens
 
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
@@ -333,7 +333,7 @@ class OfflineRows(Dataset):
 
 
 def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
-    """drafters.data.collate plus each stored value (B, T, F), zero on padding, in the storage dtype."""
+    """drafters.training.data.collate plus each stored value (B, T, F), zero on padding, in the storage dtype."""
     batch = collate([example for example, _ in items], pad_id)
     for key, first in items[0][1].items():
         padded = first.new_zeros(len(items), batch["input_ids"].shape[1], first.shape[-1])
@@ -344,7 +344,7 @@ def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
 
 
 def offline_loader(recipe, store: FeatureStore, rows: list[Example], pad: int) -> DataLoader:
-    """The same batches as drafters.training.train_loader (same LengthBuckets), with stored features."""
+    """The same batches as drafters.training.loop.train_loader (same LengthBuckets), with stored features."""
     sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
     return DataLoader(OfflineRows(rows, store), batch_sampler=sampler, collate_fn=partial(collate_offline, pad_id=pad))
 

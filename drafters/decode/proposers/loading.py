@@ -20,15 +20,15 @@ from typing import Callable
 
 from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
-from drafters.hashing import dir_sha256
-from drafters.proposers import PROPOSERS
-from drafters.proposers.draft_model import DraftModelProposer
-from drafters.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
-from drafters.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
-from drafters.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
-from drafters.proposers.hybrid import HybridProposer
-from drafters.proposers.prompt_lookup import PromptLookupProposer
-from drafters.tree import ChainSpec, DynamicSpec, TreeSpec
+from drafters.files import dir_sha256
+from drafters.decode.proposers import PROPOSERS
+from drafters.decode.proposers.draft_model import DraftModelProposer
+from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
+from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
+from drafters.decode.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
+from drafters.decode.proposers.hybrid import HybridProposer
+from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
+from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
                   "<drafter checkpoint directory>", "<drafter directory>+prompt-lookup[:options]")

@@ -1,20 +1,11 @@
-"""Export a native drafter checkpoint in the layouts serving engines load.
+"""EAGLE-3 exports: the sglang and vllm (speculators) layouts, and the refusals that keep an engine
+from loading a drafter it would run with collapsed acceptance. The independent reader is
+drafters.export.check.
 
     sglang  SGLang / official EAGLE-3 / SpecForge: config.json (LlamaForCausalLMEagle3) +
             model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d
     vllm    vLLM speculators: config.json (speculators_model_type eagle3) + model.safetensors
             with layers.0.* instead of midlayer.*, plus the target's embed_tokens (with --target)
-    native  a validated copy of the drafters checkpoint (any family)
-    medusa  Medusa / TGI: config.json (medusa_num_heads, ...) + medusa_lm_head.safetensors; medusa
-            checkpoints only (writer and independent reader: drafters.export_medusa)
-    eagle1  official EAGLE-1 layout: config.json + fc.*, layers.0.*; eagle1 checkpoints trained on
-            normed features only (writer and independent reader: drafters.export_eagle1)
-
-Knows nothing about training, targets' weights or decoding. It refuses, before anything lands in
-the output directory, every export an engine would load and then run with collapsed acceptance,
-writes into a temporary sibling directory, has `drafters.export_check` (an independent reader)
-reload the files and compare draft logits with the source checkpoint, and only then renames the
-directory into place.
 
 What the engines do with these files (read in sglang python/sglang/srt/models/llama_eagle3.py and
 llama.py, vllm model_executor/models/llama_eagle3.py and llama.py, vllm
@@ -38,96 +29,20 @@ transformers_utils/configs/speculators/algos.py, speculators models/eagle3):
 """
 
 import json
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
-from drafters.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    check_target,
-    load_checkpoint,
-    save_checkpoint,
-    target_info,
-)
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.export.common import CONFIG_FILE, TORCH_DTYPE_NAMES, WEIGHTS_FILE, ExportError
 
-FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
-
-class ExportError(ValueError):
-    pass
-
-
-@dataclass
-class ExportResult:
-    path: Path
-    fmt: str
-    dtype: str
-    files: list[str]
-    config: dict  # what was written to the config file
-    check: object = None  # drafters.export_check.CheckReport
-
-
-def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
-                      speculative_tokens: int = 3, verifier: str | None = None,
-                      overwrite: bool = False) -> ExportResult:
-    """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
-    from drafters.export_check import check_export  # the independent reader
-
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)
-        from drafters.export_medusa import export_medusa
-
-        return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
-    if fmt == "eagle1":  # official EAGLE-1 layout: writer and independent reader in drafters.export_eagle1
-        from drafters.export_eagle1 import export_eagle1
-
-        return export_eagle1(ckpt_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    if speculative_tokens < 1:
-        raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
-    out_dir = Path(out_dir)
-    check_out_dir(out_dir, ckpt_dir, overwrite)
-    ckpt = load_source(ckpt_dir)
-    expected = preflight(ckpt, fmt, target)
-    state = cast_floats(ckpt.state_dict, DTYPES[dtype])
-
-    def write(payload: Path):
-        config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
-                        verifier or expected["name"], _embedding(fmt, target, DTYPES[dtype]))
-        return config, check_export(payload, fmt, target=expected, reference=ckpt)
-
-    config, report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)
-    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
-                        files=exported_files(out_dir))
 
 
 # ---- refusals: everything here runs before a byte is written ---------------------------------
-
-def load_source(ckpt_dir) -> Checkpoint:
-    """The checkpoint to export; refused if unreadable or holding NaN / inf weights."""
-    from drafters.export_check import check_finite
-
-    try:
-        ckpt = load_checkpoint(ckpt_dir)
-    except CheckpointError as err:
-        raise ExportError(str(err)) from None
-    check_finite(ckpt.state_dict, Path(ckpt_dir) / WEIGHTS_FILE)
-    return ckpt
-
 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
     """-> the target facts to export against (target_info fields). Raises ExportError."""
@@ -209,25 +124,9 @@ def _weight_problems(ckpt: Checkpoint, c: Eagle3Config) -> list[str]:
 
 # ---- writers ----------------------------------------------------------------------------------
 
-def cast_floats(state: dict, dtype: torch.dtype) -> dict:
-    # d2t (int64) and t2d (bool) keep their dtypes
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-
-
-def _embedding(fmt: str, target, dtype: torch.dtype):
-    # vllm: the target's token embedding goes into the export (as speculators' own saves hold
-    # it). speculators 0.9 fills a missing one from the verifier only if it is still NaN, which
-    # it no longer is under transformers 5.x: it would draft on uninitialised memory. vLLM uses
-    # the file's embedding when there is one: the same values. Without a target it is left out.
-    return target.embed_tokens.weight.to(dtype) if fmt == "vllm" and target is not None else None
-
-
-def _write(fmt, ckpt, state, payload: Path, expected, dtype, speculative_tokens, verifier,
-           embedding=None) -> dict:
-    if fmt == "native":
-        save_checkpoint(payload, family=ckpt.family, config=ckpt.config, target=ckpt.target,
-                        state_dict=state, extra=ckpt.extra)
-        return json.loads((payload / "drafter.json").read_text())
+def write_eagle3(fmt: str, ckpt: Checkpoint, state: dict, payload: Path, expected: dict, dtype: str,
+                 speculative_tokens: int, verifier: str, embedding=None) -> dict:
+    """Writes the sglang or vllm files into the new directory `payload` -> the config written."""
     c = Eagle3Config(**ckpt.config)
     if fmt == "sglang":
         config, tensors = sglang_config(c, dtype), state
@@ -308,97 +207,3 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
         },
     }
-
-
-# ---- atomic placement, and what --overwrite may replace -----------------------------------------
-# Every export holds MARKER, written last, listing its files. --overwrite replaces a directory only
-# when it holds nothing but those files (or nothing at all) and not the source checkpoint: never a
-# training run, a checkpoint, a model directory or a file someone added.
-
-MARKER = ".drafters-export.json"
-
-
-def check_out_dir(out_dir: Path, source, overwrite: bool) -> None:
-    """Raises ExportError unless out_dir is free or (overwrite) replaceable; deletes nothing."""
-    if not out_dir.exists() and not out_dir.is_symlink():
-        return
-    if not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose "
-                          "another --out")
-    problems = _not_replaceable(out_dir, Path(source))
-    if problems:
-        raise ExportError(f"refusing to replace {out_dir} (--overwrite): " + "; ".join(problems)
-                          + f". --overwrite only replaces a directory an earlier export wrote (its "
-                          f"{MARKER} lists its files); choose another --out, or move {out_dir} "
-                          "away yourself")
-
-
-def _not_replaceable(out_dir: Path, source: Path) -> list[str]:
-    if out_dir.is_symlink() or not out_dir.is_dir():
-        return ["it is not a directory" + (" (a symlink)" if out_dir.is_symlink() else "")]
-    problems = []
-    out, src = out_dir.resolve(), source.resolve()
-    if out == src or out in src.parents:
-        problems.append(f"it is or contains the source checkpoint {source}")
-    entries = {p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()}
-    foreign = sorted(entries - _marked_files(out_dir))
-    if foreign:
-        run = {"metrics.jsonl", "drafter.json"} & set(foreign) or any(n.startswith("checkpoint-")
-                                                                      for n in foreign)
-        problems.append(f"it holds {len(foreign)} entries no export wrote"
-                        + (" (a training run or checkpoint)" if run else "") + ": "
-                        + ", ".join(foreign[:8]) + (", ..." if len(foreign) > 8 else ""))
-    return problems
-
-
-def _marked_files(out_dir: Path) -> set[str]:
-    # the plain files an earlier export listed in its marker (none without a readable marker)
-    try:
-        listed = json.loads((out_dir / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    names = {MARKER, *(n for n in listed if isinstance(n, str))}
-    return {n for n in names if (out_dir / n).is_file() and not (out_dir / n).is_symlink()}
-
-
-def exported_files(out_dir: Path) -> list[str]:
-    return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
-
-
-def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
-    """write(payload) writes and validates the export in a temporary sibling directory -> its
-    result; then the marker is added and the directory renamed into place."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
-    try:
-        payload = staging / "export"
-        result = write(payload)
-        marker = {"files": exported_files(payload), "format": fmt, "source": str(source)}
-        (payload / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        check_out_dir(out_dir, source, overwrite)  # again: it may have changed meanwhile
-        _move_into_place(payload, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return result
-
-
-def _parent(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.parent
-
-
-def _move_into_place(payload: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # a replaceable earlier export: moved aside, so a crash keeps one of the two
-        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
-        out_dir.rename(old)
-        payload.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        payload.rename(out_dir)
-
-
-def describe(result: ExportResult) -> str:
-    lines = [f"wrote {result.fmt} export ({result.dtype}) to {result.path}:"]
-    lines += [f"  {name}" for name in result.files]
-    if result.check is not None:
-        lines.append(result.check.summary())
-    return "\n".join(lines)

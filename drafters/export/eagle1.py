@@ -36,9 +36,9 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import Eagle3Cache
-from drafters.export import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
+from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
                              exported_files, load_source, write_staged)
-from drafters.export_check import CheckReport, ExportCheckError, check_finite
+from drafters.export.check import CheckReport, ExportCheckError, check_finite
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 

@@ -61,7 +61,7 @@ class Tree:
                              f"got {tuple(self.draft_probs.shape)}")
         if self.draft_probs is not None and self._repeated_siblings():
             raise ValueError("Tree: sampled siblings must have distinct tokens: draw them without replacement "
-                             "(drafters.sampling.sample_without_replacement), as the verifier assumes")
+                             "(drafters.decode.sampling.sample_without_replacement), as the verifier assumes")
 
     def _repeated_siblings(self) -> bool:
         tokens = self.tokens.tolist()

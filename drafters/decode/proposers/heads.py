@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint
-from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.proposers import TargetNeeds
-from drafters.sampling import SamplingConfig, sample_without_replacement, warp
-from drafters.tree import (
+from drafters.medusa import MedusaHeads
+from drafters.registry import check_fits, load_drafter
+from drafters.decode.proposers import TargetNeeds
+from drafters.decode.sampling import SamplingConfig, sample_without_replacement, warp
+from drafters.decode.tree import (
     ChainSpec,
     DynamicSpec,
     Frontier,
@@ -44,7 +44,7 @@ from drafters.tree import (
     with_draft_probs,
 )
 
-FAMILIES = {"medusa": (MedusaConfig, MedusaHeads), "blockwise": (BlockwiseConfig, BlockwiseHeads)}
+HEADS_FAMILIES = ("medusa", "blockwise")  # drafters.registry names of the multi-head families
 TREE_FILE = "tree.json"  # the calibrated rank paths a training run writes into each evaluated checkpoint
 
 
@@ -112,33 +112,6 @@ class HeadsProposer:
 # ---------------------------------------------------------------- loading a native checkpoint
 
 
-def load_heads(ckpt: Checkpoint):
-    """-> the MedusaHeads / BlockwiseHeads of a native checkpoint, weights loaded (float32, CPU)."""
-    if ckpt.family not in FAMILIES:
-        raise CheckpointError(f"{ckpt.path}: a {ckpt.family!r} checkpoint, not a heads drafter "
-                              f"({' / '.join(FAMILIES)})")
-    config_cls, module_cls = FAMILIES[ckpt.family]
-    try:
-        config = config_cls(**ckpt.config)
-        drafter = module_cls(config)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{ckpt.path}: drafter config does not fit {config_cls.__name__} ({err})") from None
-    try:
-        drafter.load_state_dict(ckpt.state_dict, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{ckpt.path}: weights do not match the drafter config: {err}") from None
-    return drafter
-
-
-def check_heads_config(config, target, where) -> None:
-    have = target.config.get_text_config()
-    wrong = [f"{key}: drafter {getattr(config, key)} vs target {getattr(have, key)}"
-             for key in ("hidden_size", "vocab_size") if getattr(config, key) != getattr(have, key)]
-    if wrong:
-        raise CheckpointError(f"{where}: this heads drafter does not fit target {target.name!r}: "
-                              + "; ".join(wrong) + ". Train a drafter for this target")
-
-
 def calibrated_tree(ckpt: Checkpoint) -> StaticSpec:
     tree = ckpt.extra.get("tree") or {}
     if not tree.get("paths"):
@@ -151,8 +124,8 @@ def heads_proposer_from_checkpoint(ckpt: Checkpoint, target, tree_spec: str | Tr
                                    seed: int = 0) -> HeadsProposer:
     # ckpt: a loaded medusa / blockwise checkpoint; tree_spec None = its calibrated tree
     check_target(ckpt, target)
-    drafter = load_heads(ckpt)
-    check_heads_config(drafter.config, target, ckpt.path)
+    drafter = load_drafter(ckpt, families=HEADS_FAMILIES)
+    check_fits(drafter.config, target, ckpt.path)
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     if tree_spec is None:
         tree = calibrated_tree(ckpt)
@@ -170,9 +143,9 @@ def load_heads_proposer(path, target, tree_spec: str | TreeSpec | None = None, *
 
 def medusa_export_proposer(path, config: dict, target, tree_spec: str | TreeSpec) -> HeadsProposer:
     """An exported Medusa directory (ours or another trainer's: config.json + medusa_lm_head.safetensors),
-    read and validated by the independent reader in drafters.export_medusa."""
+    read and validated by the independent reader in drafters.export.medusa."""
     from drafters.checkpoint import target_info
-    from drafters.export_medusa import read_medusa_export
+    from drafters.export.medusa import read_medusa_export
 
     medusa, state, _, _ = read_medusa_export(path, target=target_info(target))
     drafter = MedusaHeads(medusa)

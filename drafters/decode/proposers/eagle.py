@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.checkpoint import CheckpointError, check_target, load_checkpoint
-from drafters.draft_vocab import DraftVocab
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features
-from drafters.proposers import TargetNeeds
-from drafters.sampling import SamplingConfig, sample_without_replacement, warp
-from drafters.tree import (
+from drafters.checkpoint import check_target, load_checkpoint
+from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.eagle3 import Eagle3Cache, Eagle3Config, fuse_features
+from drafters.decode.proposers import TargetNeeds
+from drafters.decode.sampling import SamplingConfig, sample_without_replacement, warp
+from drafters.decode.tree import (
     ChainSpec,
     DynamicSpec,
     Frontier,
@@ -47,7 +47,7 @@ from drafters.tree import (
 
 def eagle3_inputs(drafter):
     # EAGLE-3: the aux layers' hidden states concatenated; drafter.fc projects them (3h -> h).
-    # differs in EAGLE-1 (drafters.proposers.eagle1.eagle1_inputs): the last hidden state, no fusion
+    # differs in EAGLE-1 (drafters.decode.proposers.eagle1.eagle1_inputs): the last hidden state, no fusion
     layers = tuple(drafter.config.aux_layers)
     return TargetNeeds(layers=layers), lambda f: fuse_features(f.hidden_states, layers)  # (1, T, n*h)
 
@@ -174,10 +174,7 @@ def load_eagle_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 
 def eagle_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
     # ckpt: an already loaded eagle3 drafters.checkpoint.Checkpoint (read once by the caller)
     check_target(ckpt, target)
-    try:
-        config = Eagle3Config(**ckpt.config)
-    except TypeError as err:
-        raise CheckpointError(f"{ckpt.path}: drafter config does not fit Eagle3Config ({err})") from None
+    config = drafter_config("eagle3", ckpt.config, ckpt.path)
     return eagle3_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 
 
@@ -185,33 +182,13 @@ def eagle3_proposer(config: Eagle3Config, state: dict, target, tree_spec: str | 
                     seed: int = 0, embed: Tensor | None = None) -> EagleProposer:
     # config + state dict in Eagle3Drafter names, from a native checkpoint or an sglang / vllm export;
     # embed (V, h): the drafter's own token embedding if the export has one, else the target's is used
-    check_config(config, target, where)
-    vocab = DraftVocab.from_state_dict(state, source=str(where), draft_vocab_size=config.draft_vocab_size,
-                                       target_vocab_size=config.vocab_size)
-    drafter = Eagle3Drafter(config, vocab)
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{where}: weights do not match the drafter config: {err}") from None
+    check_fits(config, target, where)
+    drafter = build_drafter("eagle3", config, state, where)
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
     if embed is not None:  # as vLLM does: the checkpoint's embedding wins over the target's
         embed = torch.nn.Embedding.from_pretrained(embed.to(device=target.device, dtype=target.dtype))
     return EagleProposer(drafter, embed if embed is not None else target.embed_tokens, tree, seed=seed)
-
-
-def check_config(config: Eagle3Config, target, where) -> None:
-    # the drafter's own shapes must fit the target (its recorded target info may be right while
-    # the config was edited or built for another model)
-    have = target.config.get_text_config()
-    wrong = [f"{key}: drafter {getattr(config, key)} vs target {getattr(have, key)}"
-             for key in ("hidden_size", "vocab_size", "max_position_embeddings")
-             if getattr(config, key) != getattr(have, key)]
-    if any(not 0 <= i <= have.num_hidden_layers for i in config.aux_layers):
-        wrong.append(f"aux_layers {config.aux_layers} outside 0..{have.num_hidden_layers} (target layer count)")
-    if wrong:
-        raise CheckpointError(f"{where}: this EAGLE-3 drafter does not fit target {target.name!r}: "
-                              + "; ".join(wrong) + ". Train or convert a drafter for this target")
 
 
 # ---------------------------------------------------------------- loading an exported drafter
@@ -222,7 +199,7 @@ def eagle3_export_loader(fmt: str):
     by another trainer (SpecForge, speculators), so its tau can be measured here. The files are read
     and validated by the independent export reader; layer ids come back as HF indices."""
     from drafters.checkpoint import target_info
-    from drafters.export_check import export_embedding, read_eagle3_export
+    from drafters.export.check import export_embedding, read_eagle3_export
 
     def load(path, config: dict, target, tree_spec) -> EagleProposer:
         eagle_config, state, _, _ = read_eagle3_export(path, fmt, target=target_info(target))

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
-from drafters.sampling import SamplingConfig
-from drafters.tree import Tree
+from drafters.decode.sampling import SamplingConfig
+from drafters.decode.tree import Tree
 
 if TYPE_CHECKING:
     from drafters.targets import TargetFeatures

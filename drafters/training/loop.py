@@ -35,15 +35,15 @@ from drafters.checkpoint import (
     save_checkpoint,
     step_checkpoints,
 )
-from drafters.data import Example, build_examples, collate
-from drafters.hashing import data_sha256
-from drafters.recipe import RecipeError, build, read_recipe, to_dict
+from drafters.training.data import Example, build_examples, collate
+from drafters.files import data_sha256
+from drafters.training.recipe import RecipeError, build, read_recipe, to_dict
 from drafters.targets import Target, resolve_precision
 
 
 @dataclass
 class Data:
-    path: str  # JSON / JSONL file, save_to_disk folder or Hugging Face dataset name (drafters.data)
+    path: str  # JSON / JSONL file, save_to_disk folder or Hugging Face dataset name (drafters.training.data)
     fmt: Literal["auto", "sharegpt", "openai", "text"] = "auto"
     split: str = "train"
     max_length: int = 2048  # tokens; longer conversations are cut
@@ -517,7 +517,7 @@ def save_and_exit(run, step: int, position: Position, signal_name: str | None) -
 class RunBase:
     """What train_loop asks of a training script's Run that is the same for every family. A
     subclass sets recipe, accelerator, objective, output_dir, train_rows, sampler, and provides
-    micro_step, evaluate and save (drafters.training.train_loop's docstring)."""
+    micro_step, evaluate and save (drafters.training.loop.train_loop's docstring)."""
 
     def rows_of(self, passes: int, micro: int) -> str:
         # 'file:line, ...' of the rows in micro-batch `micro` (0-based) of pass `passes`, this process

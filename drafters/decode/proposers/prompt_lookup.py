@@ -14,8 +14,8 @@ The proposer knows nothing about the target model: it reads only token ids.
 import torch
 from torch import Tensor
 
-from drafters.proposers import PROPOSERS, TargetNeeds
-from drafters.tree import Tree, merge_trees
+from drafters.decode.proposers import PROPOSERS, TargetNeeds
+from drafters.decode.tree import Tree, merge_trees
 
 MAX_MATCHES_PER_NGRAM = 64  # matches examined per n-gram size, best first
 

@@ -1,4 +1,4 @@
-"""EAGLE-1 drafters in the shared decoder: the EAGLE proposer (drafters.proposers.eagle) driving an
+"""EAGLE-1 drafters in the shared decoder: the EAGLE proposer (drafters.decode.proposers.eagle) driving an
 Eagle1Drafter. Differs from EAGLE-3 only in the target feature it reads (`eagle1_inputs`), in the frozen
 target head attached to the drafter at load time, and in having no reduced vocabulary.
 """
@@ -6,10 +6,11 @@ target head attached to the drafter at load time, and in having no reduced vocab
 from pathlib import Path
 
 from drafters.checkpoint import CheckpointError, check_target, load_checkpoint
-from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.proposers import TargetNeeds
-from drafters.proposers.eagle import EagleProposer
-from drafters.tree import TreeSpec, parse_tree_spec
+from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.decode.proposers import TargetNeeds
+from drafters.decode.proposers.eagle import EagleProposer
+from drafters.decode.tree import TreeSpec, parse_tree_spec
 
 
 def eagle1_inputs(drafter: Eagle1Drafter):
@@ -29,44 +30,25 @@ def eagle1_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, 
     if ckpt.family != "eagle1":
         raise CheckpointError(f"{ckpt.path}: a {ckpt.family!r} checkpoint, expected 'eagle1'")
     check_target(ckpt, target)
-    try:
-        config = Eagle1Config(**ckpt.config)
-    except TypeError as err:
-        raise CheckpointError(f"{ckpt.path}: drafter config does not fit Eagle1Config ({err})") from None
+    config = drafter_config("eagle1", ckpt.config, ckpt.path)
     return eagle1_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 
 
 def eagle1_proposer(config: Eagle1Config, state: dict, target, tree_spec: str | TreeSpec, where, *,
                     seed: int = 0) -> EagleProposer:
-    check_config(config, target, where)
-    drafter = Eagle1Drafter(config)
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{where}: weights do not match the drafter config: {err}") from None
+    check_fits(config, target, where)
+    drafter = build_drafter("eagle1", config, state, where)
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     drafter.attach_head(FrozenHead.from_target(target, config.feature))
     tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
     return EagleProposer(drafter, target.embed_tokens, tree, inputs=eagle1_inputs, seed=seed)
 
 
-def check_config(config: Eagle1Config, target, where) -> None:
-    have = target.config.get_text_config()
-    wrong = [f"{key}: drafter {getattr(config, key)} vs target {getattr(have, key)}"
-             for key in ("hidden_size", "vocab_size", "max_position_embeddings")
-             if getattr(config, key) != getattr(have, key)]
-    if config.feature not in FEATURES:
-        wrong.append(f"feature {config.feature!r} is none of {', '.join(FEATURES)}")
-    if wrong:
-        raise CheckpointError(f"{where}: this EAGLE-1 drafter does not fit target {target.name!r}: "
-                              + "; ".join(wrong) + ". Train a drafter for this target")
-
-
 def eagle1_export_loader(path, config: dict, target, tree_spec) -> EagleProposer:
     """An official-layout EAGLE-1 export (ours or the official trainer's, safetensors), read and validated by
-    the independent reader of drafters.export_eagle1: normed features, the target's head and embedding."""
+    the independent reader of drafters.export.eagle1: normed features, the target's head and embedding."""
     from drafters.checkpoint import target_info
-    from drafters.export_eagle1 import read_eagle1_export
+    from drafters.export.eagle1 import read_eagle1_export
 
     eagle1_config, state, _ = read_eagle1_export(path, target=target_info(target))
     return eagle1_proposer(eagle1_config, state, target, tree_spec, path)

@@ -1,0 +1,451 @@
+"""Mean accepted length (tau) and speedup of a proposer against plain `generate` on one target.
+
+    python eval/tau.py --target smollm2-135m-instruct --proposer prompt-lookup --bench mt_bench \
+        --temperature 0 --tree chain:4 --limit 5 --max-new-tokens 128 --json out.json
+
+Both methods run in this process on the same prompts, batch 1, with the same sampling settings,
+max_new_tokens and stop tokens: first `model.generate` (the baseline), then
+`speculative_generate` with the proposer. Multi-turn items (MT-bench) ask turn 2 after the
+baseline's own turn-1 answer, so both methods always see identical prompts. At temperature 0 the
+two outputs must be equal token for token; a mismatch is a decoder bug: it is reported loudly and
+the script exits non-zero (after writing the complete JSON).
+
+Reported (and written atomically as JSON with --json):
+  tau          mean over rounds of accepted draft tokens + 1 (bonus); rounds = target forwards
+               after the prefill; the tree budget is stated with and without the root
+  acceptance   per depth d: rounds that accepted depth d / rounds that drafted depth d
+  speed        tokens/s of both methods (prefill included), speedup, mean draft / verify /
+               bookkeeping time per round
+  model        expected speedup (1 - a^(k+1)) / ((1 - a)(c k + 1)) beside the measured one, with
+               k = mean drafted depth per round, a = the per-token acceptance that gives the
+               measured tau for a chain of k, i.e. the root of tau = (1 - a^(k+1)) / (1 - a)
+               (chosen over averaging per-depth rates because it reproduces tau exactly; the mean
+               per-depth rate is reported too), and c = (draft time per round / k) / (baseline
+               time per generated token), the draft cost per token in target forwards
+A prompt whose tokens + max_new_tokens + tree depth exceed the target's context is a counted
+skip (with the rest of that item's turns), not an error.
+
+Large benches on a GPU: `--shard I/N` evaluates bench items I, I+N, I+2N, ... so N processes can
+share one device; `--merge A.json B.json ... --json all.json` combines their reports (the raw
+per-round counts travel in each JSON, so the merged tau and per-depth acceptance are exact, not
+averages of averages). It refuses anything but every shard I/N of one run exactly once: a repeated
+or missing shard, shards of different N, or of different settings (target, proposer and the
+sha256 of its files, bench, tree, sampling, limits). `--no-baseline` (temperature 0 only) skips `generate`: turn 2 then follows
+the speculative turn-1 answer, which is the same text whenever the decoder is lossless, and no
+speed or greedy check is reported; use it for tau sweeps, and measure speed without it.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from drafters.decode.benches import BenchItem, load_bench, render_prompt
+from drafters.decode.decoder import RoundStats, speculative_generate
+from drafters.decode.proposers.adaptive import AdaptiveChain
+from drafters.decode.proposers.loading import load_proposer, proposer_sha256, tree_budget, tree_depth
+from drafters.decode.sampling import SamplingConfig
+from drafters.targets import load_target
+from drafters.decode.tree import ChainSpec, parse_tree_spec
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
+    p.add_argument("--proposer", required=True,
+                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory | "
+                        "DIR+prompt-lookup (the drafter's tree plus lookup continuations, greedy)")
+    p.add_argument("--bench", required=True, help="mt_bench | humaneval | path to a JSONL file")
+    p.add_argument("--tree", default="chain:4", help="chain:K | static:... | dynamic:total=,depth=,topk=")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="first N bench items")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-turns", type=int, default=None, help="ask at most the first N turns of each item")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--adaptive", action="store_true",
+                   help="chain proposers: +2 after a fully accepted round, -1 otherwise")
+    p.add_argument("--json", default=None, help="write the results here (atomically)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu) | cpu | cuda[:N]")
+    p.add_argument("--shard", default=None, help="I/N: only bench items with index %% N == I")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="temperature 0 only: skip generate (tau sweeps); no speed or greedy check")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="combine the --json reports of the shards of one run (needs only --json)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--merge" in argv:  # the evaluation's required options do not apply
+        for action in p._actions:
+            action.required = False
+    return p.parse_args(argv)
+
+
+@dataclass
+class Run:
+    stats: RoundStats = field(default_factory=RoundStats)  # all rounds of all prompts
+    base_tokens: int = 0
+    base_s: float = 0.0
+    spec_tokens: int = 0
+    spec_s: float = 0.0
+    prompts: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    mismatches: list[dict] = field(default_factory=list)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json)
+    tree, sampling, items = check_inputs(args)  # fail fast, before any model is loaded
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target = load_target(args.target, dtype=args.dtype)
+        args.device_used = str(device(args.device))
+        target.model.to(args.device_used)
+        args.proposer_sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
+        proposer = load_proposer(args.proposer, target, tree)
+        if args.adaptive:
+            proposer = AdaptiveChain(proposer)
+        if getattr(proposer, "greedy_only", False) and args.temperature > 0:
+            raise ValueError(f"--proposer {args.proposer}: verifies greedily only; use --temperature 0")
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"tau: {error}") from None
+    run = Run()
+    bar = tqdm(items, unit="item", desc="tau", dynamic_ncols=True)  # on stderr: stdout keeps the report
+    for index, item in bar:
+        evaluate_item(target, proposer, item, index, args, tree, sampling, run)
+        bar.set_postfix_str(f"tau {run.stats.tau:.2f}, {run.spec_tokens} tokens")
+    if not run.prompts:
+        raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
+                         "lower --max-new-tokens or use shorter prompts")
+    report = summarize(run, args, target, tree)
+    print_report(report)
+    if args.json:
+        write_json_atomic(Path(args.json), report)
+    if run.mismatches:
+        raise SystemExit(f"tau: {len(run.mismatches)} greedy outputs differ from generate (a bug): "
+                         f"{run.mismatches}")
+    return report
+
+
+def check_inputs(args):
+    if not args.temperature >= 0:
+        raise SystemExit(f"tau: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.max_turns is not None and args.max_turns < 1:
+        raise SystemExit(f"tau: --max-turns must be >= 1, got {args.max_turns}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"tau: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        tree = parse_tree_spec(args.tree)
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed)
+        items = list(enumerate(load_bench(args.bench, limit=args.limit)))  # (bench index, item)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"tau: {error}") from None
+    if args.adaptive and not isinstance(tree, ChainSpec):
+        raise SystemExit(f"tau: --adaptive needs a chain tree spec (chain:K), got {args.tree!r}")
+    if args.no_baseline and args.temperature > 0:
+        raise SystemExit("tau: --no-baseline needs --temperature 0 (sampled turn-2 prompts would differ)")
+    if args.shard is not None:
+        index, slash, count = args.shard.partition("/")
+        if not (slash and index.isdigit() and count.isdigit() and int(index) < int(count)):
+            raise SystemExit(f"tau: --shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+        items = items[int(index)::int(count)]  # items keep their bench index, so their seeds too
+    return tree, sampling, items
+
+
+def device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"tau: --device {name!r}: expected auto, cpu or cuda[:N]") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tau: --device cuda but torch sees no CUDA device; use --device cpu")
+    return chosen
+
+
+def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling, run: Run):
+    history = []
+    for turn in range(min(len(item.turns), args.max_turns or len(item.turns))):
+        prompt = torch.tensor(render_prompt(target.tokenizer, item, history), dtype=torch.long)
+        depth = AdaptiveChain.max_depth if args.adaptive else tree_depth(tree)
+        needed = prompt.numel() + args.max_new_tokens + depth
+        if needed > target.max_position_embeddings:
+            run.skipped.append({"id": item.id, "turn": turn + 1, "prompt_tokens": prompt.numel(),
+                                "needed_positions": needed, "context": target.max_position_embeddings})
+            return
+        seed = args.seed + 1000 * index + turn
+        base, base_s = (None, 0.0) if args.no_baseline else baseline(target, prompt, args.max_new_tokens,
+                                                                      sampling, seed)
+        spec, stats, spec_s = speculative(target, proposer, prompt, args.max_new_tokens, sampling, seed)
+        record(run, item, turn, prompt, base, base_s, spec, stats, spec_s, sampling)
+        answer = target.tokenizer.decode((spec if base is None else base)[prompt.numel():].tolist(),
+                                         skip_special_tokens=True)
+        history += [{"role": "user", "content": item.turns[turn]},
+                    {"role": "assistant", "content": answer}]
+
+
+@torch.no_grad()
+def baseline(target, prompt, max_new_tokens, sampling, seed):
+    torch.manual_seed(seed)
+    ids = prompt[None].to(target.device)  # (1, T)
+    # explicit neutral values: nothing from the model's generation_config changes the baseline
+    kwargs = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p)
+    start = time.perf_counter()
+    out = target.model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
+        eos_token_id=sorted(target.eos_token_ids), pad_token_id=target.tokenizer.pad_token_id,
+        repetition_penalty=1.0, no_repeat_ngram_size=0, **kwargs)
+    return out[0].cpu(), time.perf_counter() - start
+
+
+def speculative(target, proposer, prompt, max_new_tokens, sampling, seed):
+    torch.manual_seed(seed)  # draft models sample their drafts from the global generator
+    generator = torch.Generator(target.device).manual_seed(seed)  # the verifier's own
+    start = time.perf_counter()
+    out, stats = speculative_generate(target.model, proposer, prompt, max_new_tokens=max_new_tokens,
+                                      sampling=sampling, eos_token_ids=target.eos_token_ids,
+                                      generator=generator)
+    return out.cpu(), stats, time.perf_counter() - start
+
+
+def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, spec_s, sampling):
+    n = prompt.numel()
+    run.base_tokens += 0 if base is None else base.numel() - n
+    run.base_s += base_s
+    run.spec_tokens += spec.numel() - n
+    run.spec_s += spec_s
+    total = run.stats
+    total.accepted += stats.accepted
+    total.tree_sizes += stats.tree_sizes
+    total.tree_depths += stats.tree_depths
+    total.prefill_s += stats.prefill_s
+    total.draft_s += stats.draft_s
+    total.verify_s += stats.verify_s
+    total.other_s += stats.other_s
+    match = None
+    if sampling.greedy and base is not None:
+        match = torch.equal(base, spec)
+        if not match:
+            first = next((i for i, (a, b) in enumerate(zip(base[n:], spec[n:])) if a != b),
+                         min(base.numel(), spec.numel()) - n)
+            run.mismatches.append({"id": item.id, "turn": turn + 1, "first_difference": first})
+            print(f"!!! MISMATCH: bench item {item.id} turn {turn + 1}: speculative output differs "
+                  f"from generate at new token {first} (a decoder or proposer bug)", file=sys.stderr)
+    run.prompts.append({"id": item.id, "turn": turn + 1, "category": item.category,
+                        "prompt_tokens": n, "baseline_tokens": None if base is None else base.numel() - n,
+                        "speculative_tokens": spec.numel() - n, "rounds": stats.num_rounds,
+                        "tau": stats.tau, "match": match})
+
+
+# ---------------------------------------------------------------- summary
+
+
+def acceptance_from_tau(tau: float, k: float) -> float:
+    # root a in [0, 1] of tau = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a), increasing in a
+    if k <= 0 or tau <= 1:
+        return 0.0
+    if tau >= k + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        a = (low + high) / 2
+        low, high = (a, high) if (1 - a ** (k + 1)) / (1 - a) < tau else (low, a)
+    return (low + high) / 2
+
+
+def expected_speedup(a: float, k: float, c: float) -> float:
+    gain = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return gain / (c * k + 1)
+
+
+def summarize(run: Run, args, target, tree) -> dict:
+    stats, rounds = run.stats, max(run.stats.num_rounds, 1)
+    base_tps = run.base_tokens / run.base_s if run.base_s else 0.0
+    spec_tps = run.spec_tokens / run.spec_s if run.spec_s else 0.0
+    k = sum(stats.tree_depths) / rounds
+    a = acceptance_from_tau(stats.tau, k)
+    per_depth = stats.depth_acceptance()
+    target_s_per_token = run.base_s / max(run.base_tokens, 1)
+    c = (stats.draft_s / rounds) / k / target_s_per_token if k > 0 and target_s_per_token else 0.0
+    budget = tree_budget(tree)
+    measured = run.base_tokens > 0  # False with --no-baseline
+    return {
+        "target": target.name, "proposer": args.proposer, "proposer_sha256": args.proposer_sha256,
+        "bench": args.bench, "tree": args.tree,
+        "tree_budget": {"draft_nodes_excl_root": budget, "nodes_incl_root": budget + 1},
+        "mean_tree_nodes_incl_root": sum(stats.tree_sizes) / rounds,
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                     "seed": args.seed},
+        "max_new_tokens": args.max_new_tokens, "max_turns": args.max_turns, "limit": args.limit,
+        "adaptive": args.adaptive,
+        "shard": args.shard, "no_baseline": args.no_baseline, "device": args.device_used,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(run.prompts), "skipped": run.skipped,
+        "rounds": stats.num_rounds, "tau": stats.tau, "per_depth_acceptance": per_depth,
+        "baseline": {"tokens": run.base_tokens, "seconds": run.base_s, "tokens_per_s": base_tps},
+        "speculative": {"tokens": run.spec_tokens, "seconds": run.spec_s, "tokens_per_s": spec_tps},
+        "speedup": spec_tps / base_tps if measured else None,
+        "time_per_round_ms": {"draft": 1e3 * stats.draft_s / rounds,
+                              "verify": 1e3 * stats.verify_s / rounds,
+                              "other": 1e3 * stats.other_s / rounds},
+        "model": {"k_mean_depth": k, "a_from_tau": a,
+                  "a_mean_per_depth": sum(per_depth) / len(per_depth) if per_depth else 0.0,
+                  "c_draft_over_target_per_token": c,
+                  "expected_speedup": (expected_speedup(a, k, c) if k > 0 else 1.0) if measured else None},
+        "greedy_check": None if args.temperature > 0 or not measured else {
+            "checked": len(run.prompts), "mismatches": len(run.mismatches),
+            "mismatched": run.mismatches},
+        "per_prompt": run.prompts,
+        # every round, so shards merge exactly (--merge)
+        "raw": {"accepted": stats.accepted, "tree_sizes": stats.tree_sizes, "tree_depths": stats.tree_depths,
+                "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+                "other_s": stats.other_s, "mismatches": run.mismatches},
+    }
+
+
+# what every shard of one run shares (device and threads may differ)
+SAME_RUN = ("target", "proposer", "proposer_sha256", "bench", "tree", "sampling", "max_new_tokens", "max_turns",
+            "limit", "adaptive", "no_baseline")
+
+
+def merge(paths: list[str], out: str | None) -> dict:
+    """One report from the reports of all shards of one run: each I/N exactly once, same settings."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:  # ValueError: bad JSON or not UTF-8
+            raise SystemExit(f"tau --merge: cannot read {path}: {error}") from None
+    check_same_run(paths, reports)
+    check_all_shards(paths, reports)
+    run = Run()
+    for r in reports:
+        raw = r["raw"]
+        run.stats.accepted += raw["accepted"]
+        run.stats.tree_sizes += raw["tree_sizes"]
+        run.stats.tree_depths += raw["tree_depths"]
+        for key in ("prefill_s", "draft_s", "verify_s", "other_s"):
+            setattr(run.stats, key, getattr(run.stats, key) + raw[key])
+        run.base_tokens += r["baseline"]["tokens"]
+        run.base_s += r["baseline"]["seconds"]
+        run.spec_tokens += r["speculative"]["tokens"]
+        run.spec_s += r["speculative"]["seconds"]
+        run.prompts += r["per_prompt"]
+        run.skipped += r["skipped"]
+        run.mismatches += raw["mismatches"]
+    first = reports[0]
+    args = argparse.Namespace(
+        proposer=first["proposer"], bench=first["bench"], tree=first["tree"], max_new_tokens=first["max_new_tokens"],
+        max_turns=first["max_turns"],
+        limit=first["limit"], adaptive=first["adaptive"], no_baseline=first["no_baseline"],
+        device_used=first["device"], shard=f"merged {len(reports)}", temperature=first["sampling"]["temperature"],
+        proposer_sha256=first.get("proposer_sha256"),
+        top_k=first["sampling"]["top_k"], top_p=first["sampling"]["top_p"], seed=first["sampling"]["seed"])
+    report = summarize(run, args, argparse.Namespace(name=first["target"]), parse_tree_spec(first["tree"]))
+    report["threads"] = first["threads"]
+    print_report(report)
+    if out:
+        write_json_atomic(Path(out), report)
+    return report
+
+
+def check_same_run(paths: list[str], reports: list[dict]) -> None:
+    for path, r in zip(paths, reports):
+        if "raw" not in r:
+            raise SystemExit(f"tau --merge: {path} has no per-round counts ('raw'); rerun it with this version")
+        differ = [f"{k}: {r.get(k)!r} vs {reports[0].get(k)!r}" for k in SAME_RUN if r.get(k) != reports[0].get(k)]
+        if differ:
+            raise SystemExit(f"tau --merge: {path} is not a shard of the same run as {paths[0]}: "
+                             + "; ".join(differ))
+
+
+def check_all_shards(paths: list[str], reports: list[dict]) -> None:
+    # shard I/N for every I in 0..N-1, once each, one N: else the merged tau covers part of the bench
+    shards = {}
+    for path, r in zip(paths, reports):
+        index, slash, count = str(r.get("shard")).partition("/")
+        if not (slash and index.isdigit() and count.isdigit()):
+            raise SystemExit(f"tau --merge: {path} is not a shard (shard {r.get('shard')!r}); merge the --json "
+                             "reports of the --shard I/N runs of one evaluation")
+        shards.setdefault(int(count), {}).setdefault(int(index), []).append(path)
+    if len(shards) > 1:
+        raise SystemExit("tau --merge: the shards split the bench in different ways: " + "; ".join(
+            f"N={n}: {', '.join(p for ps in found.values() for p in ps)}" for n, found in sorted(shards.items())))
+    (count, found), = shards.items()
+    twice = [f"{i}/{count} ({', '.join(ps)})" for i, ps in sorted(found.items()) if len(ps) > 1]
+    if twice:
+        raise SystemExit(f"tau --merge: shard given more than once: {'; '.join(twice)}")
+    missing = [f"{i}/{count}" for i in range(count) if i not in found]
+    if missing:
+        raise SystemExit(f"tau --merge: missing shard {', '.join(missing)} of {count}: run it with --shard "
+                         f"and merge all {count}")
+
+
+def print_report(r: dict) -> None:
+    budget = r["tree_budget"]
+    model = r["model"]
+    times = r["time_per_round_ms"]
+    rows = [
+        ("target / proposer", f"{r['target']} / {r['proposer']}"),
+        ("bench", f"{r['bench']}: {r['num_prompts']} prompts, {len(r['skipped'])} skipped (too long)"),
+        ("tree", f"{r['tree']}: {budget['draft_nodes_excl_root']} draft nodes excl. root "
+                 f"({budget['nodes_incl_root']} incl.), mean {r['mean_tree_nodes_incl_root']:.1f} "
+                 "nodes incl. root per round"),
+        ("sampling", f"temperature {r['sampling']['temperature']}, top-k {r['sampling']['top_k']}, "
+                     f"top-p {r['sampling']['top_p']}, max_new_tokens {r['max_new_tokens']}"
+                     + (", adaptive chain" if r["adaptive"] else "")),
+        ("tau (accepted + bonus)", f"{r['tau']:.3f} over {r['rounds']} rounds"),
+        ("acceptance by depth", " ".join(f"d{d + 1}:{x:.2f}" for d, x in
+                                         enumerate(r["per_depth_acceptance"])) or "-"),
+        ("baseline generate", f"{r['baseline']['tokens_per_s']:.2f} tok/s "
+                              f"({r['baseline']['tokens']} tokens, {r['baseline']['seconds']:.1f} s)"),
+        ("speculative", f"{r['speculative']['tokens_per_s']:.2f} tok/s "
+                        f"({r['speculative']['tokens']} tokens, {r['speculative']['seconds']:.1f} s)"),
+        ("speedup (measured)", "not measured (--no-baseline)" if r["speedup"] is None else f"{r['speedup']:.2f}x"),
+        ("per round (ms)", f"draft {times['draft']:.1f}, verify {times['verify']:.1f}, "
+                           f"bookkeeping {times['other']:.1f}"),
+        ("speedup (formula)", f"{model['expected_speedup'] or 0:.2f}x with k={model['k_mean_depth']:.2f}, "
+                              f"a={model['a_from_tau']:.3f} (from tau; mean per-depth "
+                              f"{model['a_mean_per_depth']:.3f}), "
+                              f"c={model['c_draft_over_target_per_token']:.3f}"),
+    ]
+    check = r["greedy_check"]
+    if check is not None:
+        verdict = "OK" if check["mismatches"] == 0 else "!!! BUG: outputs differ from generate !!!"
+        rows.append(("greedy == generate", f"{check['checked'] - check['mismatches']}/"
+                                           f"{check['checked']} match, {check['mismatches']} "
+                                           f"mismatches  {verdict}"))
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+
+def write_json_atomic(path: Path, report: dict) -> None:
+    # temp file in the same directory + rename: readers never see a partial file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2, allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""What every export format shares: dtypes, errors and results, reading the source checkpoint, and
+atomic placement of the output directory (staged in a temporary sibling, validated by the format's
+independent reader, renamed into place; --overwrite replaces only an earlier export).
+Knows nothing about any format's files."""
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from drafters.export.check import check_finite
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+
+class ExportError(ValueError):
+    pass
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    fmt: str
+    dtype: str
+    files: list[str]
+    config: dict  # what was written to the config file
+    check: object = None  # drafters.export.check.CheckReport
+
+
+def load_source(ckpt_dir) -> Checkpoint:
+    """The checkpoint to export; refused if unreadable or holding NaN / inf weights."""
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    check_finite(ckpt.state_dict, Path(ckpt_dir) / WEIGHTS_FILE)
+    return ckpt
+
+
+def cast_floats(state: dict, dtype: torch.dtype) -> dict:
+    # d2t (int64) and t2d (bool) keep their dtypes
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+# ---- atomic placement, and what --overwrite may replace -----------------------------------------
+# Every export holds MARKER, written last, listing its files. --overwrite replaces a directory only
+# when it holds nothing but those files (or nothing at all) and not the source checkpoint: never a
+# training run, a checkpoint, a model directory or a file someone added.
+
+MARKER = ".drafters-export.json"
+
+
+def check_out_dir(out_dir: Path, source, overwrite: bool) -> None:
+    """Raises ExportError unless out_dir is free or (overwrite) replaceable; deletes nothing."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it or choose "
+                          "another --out")
+    problems = _not_replaceable(out_dir, Path(source))
+    if problems:
+        raise ExportError(f"refusing to replace {out_dir} (--overwrite): " + "; ".join(problems)
+                          + f". --overwrite only replaces a directory an earlier export wrote (its "
+                          f"{MARKER} lists its files); choose another --out, or move {out_dir} "
+                          "away yourself")
+
+
+def _not_replaceable(out_dir: Path, source: Path) -> list[str]:
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        return ["it is not a directory" + (" (a symlink)" if out_dir.is_symlink() else "")]
+    problems = []
+    out, src = out_dir.resolve(), source.resolve()
+    if out == src or out in src.parents:
+        problems.append(f"it is or contains the source checkpoint {source}")
+    entries = {p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()}
+    foreign = sorted(entries - _marked_files(out_dir))
+    if foreign:
+        run = {"metrics.jsonl", "drafter.json"} & set(foreign) or any(n.startswith("checkpoint-")
+                                                                      for n in foreign)
+        problems.append(f"it holds {len(foreign)} entries no export wrote"
+                        + (" (a training run or checkpoint)" if run else "") + ": "
+                        + ", ".join(foreign[:8]) + (", ..." if len(foreign) > 8 else ""))
+    return problems
+
+
+def _marked_files(out_dir: Path) -> set[str]:
+    # the plain files an earlier export listed in its marker (none without a readable marker)
+    try:
+        listed = json.loads((out_dir / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    names = {MARKER, *(n for n in listed if isinstance(n, str))}
+    return {n for n in names if (out_dir / n).is_file() and not (out_dir / n).is_symlink()}
+
+
+def exported_files(out_dir: Path) -> list[str]:
+    return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
+
+
+def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
+    """write(payload) writes and validates the export in a temporary sibling directory -> its
+    result; then the marker is added and the directory renamed into place."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=_parent(out_dir)))
+    try:
+        payload = staging / "export"
+        result = write(payload)
+        marker = {"files": exported_files(payload), "format": fmt, "source": str(source)}
+        (payload / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        check_out_dir(out_dir, source, overwrite)  # again: it may have changed meanwhile
+        _move_into_place(payload, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+def _parent(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.parent
+
+
+def _move_into_place(payload: Path, out_dir: Path) -> None:
+    if out_dir.exists():  # a replaceable earlier export: moved aside, so a crash keeps one of the two
+        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
+        out_dir.rename(old)
+        payload.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        payload.rename(out_dir)
+
+
+def describe(result: ExportResult) -> str:
+    lines = [f"wrote {result.fmt} export ({result.dtype}) to {result.path}:"]
+    lines += [f"  {name}" for name in result.files]
+    if result.check is not None:
+        lines.append(result.check.summary())
+    return "\n".join(lines)

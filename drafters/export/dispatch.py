@@ -1,0 +1,82 @@
+"""Export a native drafter checkpoint in the layouts serving engines load.
+
+    sglang  SGLang / official EAGLE-3 / SpecForge: config.json (LlamaForCausalLMEagle3) +
+            model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d
+    vllm    vLLM speculators: config.json (speculators_model_type eagle3) + model.safetensors
+            with layers.0.* instead of midlayer.*, plus the target's embed_tokens (with --target)
+    native  a validated copy of the drafters checkpoint (any family)
+    medusa  Medusa / TGI: config.json (medusa_num_heads, ...) + medusa_lm_head.safetensors; medusa
+            checkpoints only (writer and independent reader: drafters.export.medusa)
+    eagle1  official EAGLE-1 layout: config.json + fc.*, layers.0.*; eagle1 checkpoints trained on
+            normed features only (writer and independent reader: drafters.export.eagle1)
+
+
+Knows nothing about training, targets' weights or decoding. Every format refuses, before anything
+lands in the output directory, what an engine would load and then run with collapsed acceptance,
+writes into a temporary sibling directory, has its independent reader reload the files and compare
+draft logits with the source checkpoint, and only then renames the directory into place
+(drafters.export.common).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from drafters.checkpoint import save_checkpoint
+from drafters.export.check import check_export  # the independent reader of sglang / vllm / native
+from drafters.export.common import (DTYPES, ExportError, ExportResult, cast_floats, check_out_dir, exported_files,
+                                    load_source, write_staged)
+from drafters.export.eagle1 import export_eagle1
+from drafters.export.eagle3 import preflight, write_eagle3
+from drafters.export.medusa import export_medusa
+
+FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1")
+
+
+def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
+                      speculative_tokens: int = 3, verifier: str | None = None,
+                      overwrite: bool = False) -> ExportResult:
+    """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)
+        return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
+    if fmt == "eagle1":  # official EAGLE-1 layout: writer and independent reader in drafters.export.eagle1
+        return export_eagle1(ckpt_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if speculative_tokens < 1:
+        raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, ckpt_dir, overwrite)
+    ckpt = load_source(ckpt_dir)
+    expected = preflight(ckpt, fmt, target)
+    state = cast_floats(ckpt.state_dict, DTYPES[dtype])
+
+    def write(payload: Path):
+        config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
+                        verifier or expected["name"], _embedding(fmt, target, DTYPES[dtype]))
+        return config, check_export(payload, fmt, target=expected, reference=ckpt)
+
+    config, report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)
+    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
+                        files=exported_files(out_dir))
+
+
+
+def _embedding(fmt: str, target, dtype: torch.dtype):
+    # vllm: the target's token embedding goes into the export (as speculators' own saves hold
+    # it). speculators 0.9 fills a missing one from the verifier only if it is still NaN, which
+    # it no longer is under transformers 5.x: it would draft on uninitialised memory. vLLM uses
+    # the file's embedding when there is one: the same values. Without a target it is left out.
+    return target.embed_tokens.weight.to(dtype) if fmt == "vllm" and target is not None else None
+
+
+def _write(fmt, ckpt, state, payload: Path, expected, dtype, speculative_tokens, verifier,
+           embedding=None) -> dict:
+    if fmt == "native":
+        save_checkpoint(payload, family=ckpt.family, config=ckpt.config, target=ckpt.target,
+                        state_dict=state, extra=ckpt.extra)
+        return json.loads((payload / "drafter.json").read_text())
+    return write_eagle3(fmt, ckpt, state, payload, expected, dtype, speculative_tokens, verifier, embedding)
