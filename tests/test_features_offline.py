@@ -181,24 +181,26 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     # over the same examples (same padded length): the training loss and its gradients are the same bits.
     from drafters.training.data import build_examples, collate
     from drafters.training.features import features_header, offline_batches, write_features
+    from drafters.draft_vocab import build_draft_vocab
+    from drafters.training.eagle3 import EagleRecipe, build_eagle3_drafter, target_inputs_fn
+    from drafters.training.loop import pad_id
     from drafters.training.recipe import load_recipe
 
-    eagle = scripts[1]
     recipe = load_recipe(EAGLE3, [f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"],
-                         schema=eagle.Recipe)
+                         schema=EagleRecipe)
     target = load_target(recipe.target)
     examples, _ = build_examples(target.tokenizer, str(DATA), max_length=128)
     batch_rows = examples[3:7]
     write_features(tmp_path, target, batch_rows, features_header(recipe, target), batch_size=len(batch_rows))
-    store = eagle.FeatureStore.open(tmp_path)
-    drafter = eagle.build_drafter(recipe, target, eagle.build_draft_vocab(
+    store = FeatureStore.open(tmp_path)
+    drafter = build_eagle3_drafter(recipe, target, build_draft_vocab(
         [(e.input_ids, e.loss_mask) for e in examples], target.vocab_size, recipe.draft_vocab_size))
-    online_batch = collate(batch_rows, eagle.pad_id(target))
-    offline_batch = offline_batches(store, [batch_rows], eagle.pad_id(target))[0]
+    online_batch = collate(batch_rows, pad_id(target))
+    offline_batch = offline_batches(store, [batch_rows], pad_id(target))[0]
     losses, grads = [], []
-    for batch, inputs in ((online_batch, eagle.target_inputs_fn(
-            load_recipe(EAGLE3, [f"data.path={DATA}"], schema=eagle.Recipe), target, drafter)),
-                          (offline_batch, eagle.target_inputs_fn(recipe, target, drafter))):
+    for batch, inputs in ((online_batch, target_inputs_fn(
+            load_recipe(EAGLE3, [f"data.path={DATA}"], schema=EagleRecipe), target, drafter)),
+                          (offline_batch, target_inputs_fn(recipe, target, drafter))):
         features, labels = inputs(batch)
         drafter.zero_grad()
         out = drafter.ttt_forward(features, batch["input_ids"], labels, batch["loss_mask"], target.embed_tokens,

@@ -40,3 +40,33 @@ def test_accelerate_configs_load_with_accelerate(path):
     assert config.distributed_type.value in ("MULTI_GPU", "DEEPSPEED", "FSDP")
     assert path.read_text().startswith("# ") and "accelerate launch --config_file recipes/accelerate/" in \
         path.read_text().splitlines()[0]
+
+
+# The shared sections (data, optim, batching, steps, checkpoints, logging) are checked in one place
+# (TrainRecipe.problems), so every training script refuses the same bad values before loading a target.
+SCRIPTS = [("train/eagle.py", "recipes/eagle3_tiny.yaml"), ("train/eagle.py", "recipes/eagle1_tiny.yaml"),
+           ("train/heads.py", "recipes/medusa_tiny.yaml"), ("train/heads.py", "recipes/blockwise_tiny.yaml"),
+           ("train/features.py", "recipes/eagle3_tiny.yaml")]
+
+
+@pytest.mark.parametrize("script, recipe", SCRIPTS, ids=lambda v: v.split("/")[-1])
+@pytest.mark.parametrize("override, message", [
+    ("optim.clip_value=-1", "optim.clip_value=-1.0 must be > 0 or null"),  # would clamp every gradient to -1
+    ("keep_last=-1", "keep_last=-1 must be >= 0"),
+    ("data.limit=0", "data.limit=0 must be >= 1 or null"),
+    ("optim.betas=[0.9]", "optim.betas=[0.9] must be two numbers"),
+    ("grad_accum=0", "grad_accum=0 must be >= 1"),
+])
+def test_every_training_script_refuses_the_same_shared_fields(script, recipe, override, message):
+    from drafters.training.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_script(script).main([recipe, override])
+
+
+def test_all_problems_are_named_at_once():
+    from drafters.training.recipe import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        load_script("train/heads.py").main(["recipes/medusa_tiny.yaml", "num_heads=0", "optim.lr=0", "threads=-1"])
+    assert all(f in str(err.value) for f in ("num_heads=0", "optim.lr=0", "threads=-1")), err.value

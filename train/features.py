@@ -14,35 +14,22 @@ EAGLE-3 stores the fused aux layers and the final-normed hidden state (for the s
 one feature.
 """
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-from drafters.training.data import build_examples
-from drafters.training.features import features_header, write_features
-from drafters.training.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
+from drafters.training.data import build_examples
+from drafters.training.eagle3 import EagleRecipe, eagle_problems
+from drafters.training.features import features_header, write_features
+from drafters.training.loop import load_train_recipe
+from drafters.training.recipe import RecipeError, run_main
 
-
-def _train_eagle():
-    # the recipe schema and checks of train/eagle.py (train/ is not a package)
-    path = Path(__file__).with_name("eagle.py")
-    spec = importlib.util.spec_from_file_location("train_eagle", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-eagle = _train_eagle()
-Recipe = eagle.Recipe  # tests/test_recipes.py reads a script's schema as `Recipe`
+Recipe = EagleRecipe  # train/eagle.py's schema (tests/test_recipes.py reads a script's schema as `Recipe`)
 
 
 def main(argv: list[str]) -> dict:
     if not argv:
         raise SystemExit("usage: python train/features.py RECIPE.yaml features.dir=DIR [key=value ...]")
-    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
-    eagle.check(recipe)
+    recipe = load_train_recipe(argv, Recipe, "train/eagle.py", eagle_problems)
     if not recipe.features.dir:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/eagle.py streams from it when the recipe sets it)")

@@ -115,8 +115,7 @@ class Summary:
 def main(argv: list[str]) -> Summary:
     if not argv:
         raise SystemExit("usage: python train/heads.py RECIPE.yaml [key=value ...]")
-    recipe = load_train_recipe(argv, Recipe, "train/heads.py")
-    check(recipe)
+    recipe = load_train_recipe(argv, Recipe, "train/heads.py", heads_problems)
     accelerator, target, resume, train_rows, held_out = start_run(recipe, "heads")
     say = accelerator.print
     check_heads_have_labels(recipe, train_rows)
@@ -156,16 +155,10 @@ def main(argv: list[str]) -> Summary:
                    accelerator.unwrap_model(objective).drafter)
 
 
-def check(recipe: Recipe) -> None:
-    positive = ["num_heads", "batch_size", "grad_accum", "log_every"]
-    problems = [f"{name}={getattr(recipe, name)} must be >= 1" for name in positive if getattr(recipe, name) < 1]
-    problems += [f"{name}={getattr(recipe, name)} must be >= 0 (0 = off)" for name in
-                 ("save_every", "eval_every", "threads", "keep_last") if getattr(recipe, name) < 0]
-    problems += [f"{name}={getattr(recipe, name)} must be >= 1 or null" for name in
-                 ("epochs", "max_steps") if getattr(recipe, name) is not None and getattr(recipe, name) < 1]
-    if recipe.epochs is None and recipe.max_steps is None:
-        problems.append("set epochs or max_steps (or both: whichever ends first)")
-    data, optim, medusa, tree = recipe.data, recipe.optim, recipe.medusa, recipe.tree
+def heads_problems(recipe: Recipe) -> list[str]:
+    """The heads fields' problems (the shared sections are TrainRecipe.problems')."""
+    problems = [] if recipe.num_heads >= 1 else [f"num_heads={recipe.num_heads} must be >= 1"]
+    data, medusa, tree = recipe.data, recipe.medusa, recipe.tree
     if data.max_length < recipe.num_heads + 2:
         # head k trains on (position t, token t+k+2): the last head needs K+2 tokens in a sequence
         problems.append(f"num_heads={recipe.num_heads} needs data.max_length >= num_heads + 2 = {recipe.num_heads + 2} "
@@ -183,16 +176,7 @@ def check(recipe: Recipe) -> None:
                                      or min(tree.cartesian) < 1 or max(tree.cartesian) > tree.topk):
         problems.append(f"tree.cartesian={tree.cartesian} must list 1..num_heads={recipe.num_heads} top-k values, "
                         f"each in [1, tree.topk={tree.topk}] (depth d is drafted by head d-1)")
-    if not 0 <= data.eval_fraction < 1 or (data.eval_rows is not None and data.eval_rows < 0):
-        problems.append(f"data.eval_fraction={data.eval_fraction} must be in [0, 1), data.eval_rows >= 0")
-    if optim.lr <= 0 or optim.warmup_steps < 0 or optim.weight_decay < 0:
-        problems.append(f"optim.lr={optim.lr} must be > 0, warmup_steps and weight_decay >= 0")
-    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
-        problems.append(f"optim.betas={optim.betas} must be two numbers in [0, 1)")
-    if optim.max_grad_norm is not None and optim.max_grad_norm <= 0:
-        problems.append(f"optim.max_grad_norm={optim.max_grad_norm} must be > 0 or null (no clipping)")
-    if problems:
-        raise RecipeError("recipe: " + "; ".join(problems))
+    return problems
 
 
 def check_heads_have_labels(recipe: Recipe, rows) -> None:

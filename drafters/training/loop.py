@@ -52,6 +52,16 @@ class Data:
     eval_fraction: float = 0.02
     seed: int = 0  # of the train / held-out split
 
+    def problems(self) -> list[str]:
+        found = []
+        if self.max_length < 3:
+            found.append(f"data.max_length={self.max_length} must be >= 3 (a label needs 2 tokens of context)")
+        if self.limit is not None and self.limit < 1:
+            found.append(f"data.limit={self.limit} must be >= 1 or null (all rows)")
+        if not 0 <= self.eval_fraction < 1 or (self.eval_rows is not None and self.eval_rows < 0):
+            found.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 1), data.eval_rows >= 0")
+        return found
+
 
 @dataclass
 class Optim:
@@ -62,6 +72,18 @@ class Optim:
     schedule: Literal["cosine", "constant"] = "cosine"  # after warmup; cosine decays to 0
     max_grad_norm: float | None = 0.5  # null = no clipping (the norm is still logged)
     clip_value: float | None = None  # clip each gradient element to [-v, v] first (official EAGLE: 0.5)
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            found.append(f"optim.lr={self.lr} must be > 0, warmup_steps and weight_decay >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            found.append(f"optim.betas={self.betas} must be two numbers in [0, 1)")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            found.append(f"optim.max_grad_norm={self.max_grad_norm} must be > 0 or null (no clipping)")
+        if self.clip_value is not None and self.clip_value <= 0:
+            found.append(f"optim.clip_value={self.clip_value} must be > 0 or null (no clipping by value)")
+        return found
 
 
 @dataclass(kw_only=True)
@@ -92,6 +114,19 @@ class TrainRecipe:
     wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
     wandb_name: str | None = None  # the wandb run name; null = wandb's
 
+    def problems(self) -> list[str]:
+        """Every problem with the fields all training scripts share (batching, steps, checkpoints,
+        logging, data, optim); each script adds only its own fields' (load_train_recipe)."""
+        found = [f"{name}={getattr(self, name)} must be >= 1" for name in ("batch_size", "grad_accum", "log_every")
+                 if getattr(self, name) < 1]
+        found += [f"{name}={getattr(self, name)} must be >= 0 (0 = off)" for name in
+                  ("save_every", "eval_every", "threads", "keep_last") if getattr(self, name) < 0]
+        found += [f"{name}={getattr(self, name)} must be >= 1 or null" for name in
+                  ("epochs", "max_steps") if getattr(self, name) is not None and getattr(self, name) < 1]
+        if self.epochs is None and self.max_steps is None:
+            found.append("set epochs or max_steps (or both: whichever ends first)")
+        return found + self.data.problems() + self.optim.problems()
+
 
 
 # The entry script that trains each drafter family.
@@ -99,14 +134,24 @@ FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "medus
                   "blockwise": "train/heads.py"}
 
 
-def load_train_recipe(argv: list[str], schema, script: str):
+def load_train_recipe(argv: list[str], schema, script: str, own_problems=None):
     """load_recipe, except that a recipe of another script's family is sent to that script instead of
-    failing on the first key of its family (medusa's num_heads: 'did you mean threads?')."""
+    failing on the first key of its family (medusa's num_heads: 'did you mean threads?'). Then every
+    check runs once, on one list: the shared sections' (TrainRecipe.problems) and the script's own
+    fields' (own_problems(recipe) -> [str]); one RecipeError names them all."""
     raw = read_recipe(argv[0], argv[1:])
     drafter = raw.get("drafter")
     if isinstance(drafter, str) and FAMILY_SCRIPTS.get(drafter, script) != script:
         raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {FAMILY_SCRIPTS[drafter]}")
-    return build(schema, raw, where=argv[0])
+    recipe = build(schema, raw, where=argv[0])
+    check_recipe(recipe, own_problems)
+    return recipe
+
+
+def check_recipe(recipe: TrainRecipe, own_problems=None) -> None:
+    problems = recipe.problems() + (own_problems(recipe) if own_problems else [])
+    if problems:
+        raise RecipeError("recipe: " + "; ".join(problems))
 
 
 def make_accelerator(recipe, script: str):
