@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from drafters import benches
+from drafters.decode import benches
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.tiny import build_tiny_tokenizer
 
