@@ -7,11 +7,11 @@ head on that feature gives the distribution of token_{t+2}. Labels are the targe
 feature and its logits (the target's distribution over token t+2).
 
 Feature (`Eagle1Config.feature`):
-    pre_norm  the last decoder layer's output before the final norm (the issue's reading of the paper);
-              logits = lm_head(final_norm(x)): the target's own head.
-    normed    the final-normed last hidden state (HF hidden_states[-1]), what the official EAGLE code
-              and SGLang feed the drafter; logits = lm_head(x). Engines that load the official layout
-              (drafters.export.eagle1) run only this one.
+    normed    (default) the final-normed last hidden state (HF hidden_states[-1]), what the official
+              EAGLE code and SGLang feed the drafter; logits = lm_head(x). Engines that load the
+              official layout (drafters.export.eagle1) run only this one.
+    pre_norm  the last decoder layer's output before the final norm (a reading of the paper's "feature");
+              logits = lm_head(final_norm(x)): the target's own head. Trains and drafts here, not exportable.
 The frozen head (target final norm, LM head, logit softcap) and embedding belong to the target: they are
 attached / passed in by the caller, never parameters of the drafter, never saved with it. The drafter has
 no reduced vocabulary: it drafts over all target ids (`draft_vocab` is the identity map).
@@ -59,10 +59,10 @@ class Eagle1Config:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     hidden_act: str = "silu"
-    feature: Literal["pre_norm", "normed"] = "pre_norm"
+    feature: Literal["pre_norm", "normed"] = "normed"
 
     @classmethod
-    def from_target_config(cls, config, feature: str = "pre_norm") -> "Eagle1Config":
+    def from_target_config(cls, config, feature: str = "normed") -> "Eagle1Config":
         if feature not in FEATURES:
             raise ValueError(f"EAGLE-1 feature {feature!r}: choose one of {', '.join(FEATURES)}")
         # The layer geometry (GQA heads, head_dim, RoPE parameters, Gemma's names) is read as for EAGLE-3;

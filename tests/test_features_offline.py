@@ -57,7 +57,7 @@ def test_online_and_offline_training_give_the_same_losses(scripts, written, tmp_
 def test_shards_hold_the_targets_features_tokens_and_masks(written):
     directory, index = written
     assert index["complete"] and index["rows"] == ROWS and index["tokens"] == TOKENS
-    assert index["family"] == "eagle1" and index["layer_spec"]["features"] == "pre_norm"
+    assert index["family"] == "eagle1" and index["layer_spec"]["features"] == "normed"
     assert index["target"]["name"] == "tiny-random-llama" and index["target"]["dtype"] == "float32"
     assert len(index["data"]["sha256"]) == 64 and index["data"]["max_length"] == 128
     assert sorted(index["shards"]) == [f"shard-0000{k}.safetensors" for k in range(3)]  # shard_rows 8
@@ -67,11 +67,11 @@ def test_shards_hold_the_targets_features_tokens_and_masks(written):
     shard = load_file(directory / "shard-00001.safetensors")
     assert shard["features"].shape == (shard["input_ids"].numel(), HIDDEN)
     assert shard["rows"].tolist() == list(range(9, 17))  # data rows (1-based lines) 9..16: shard_rows 8
-    # example r of the shard == the target's pre-norm hidden states over its tokens, run alone
+    # example r of the shard == the target's final-normed hidden states over its tokens, run alone
     target = load_target("tiny-random-llama")
     a, b = shard["offsets"][2:4].tolist()
     ids = shard["input_ids"][a:b].long()[None]
-    expected = target.features(ids, pre_norm_last=True, logits=False).pre_norm_last[0]
+    expected = target.features(ids, logits=False).last_hidden[0]
     torch.testing.assert_close(shard["features"][a:b], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -106,7 +106,7 @@ def test_a_directory_written_by_another_recipe_is_not_resumed(scripts, written, 
 
 @pytest.mark.parametrize("overrides, field", [
     (["data.max_length=100"], "data.max_length is 128 in the stored features but 100"),
-    (["eagle1.feature=normed"], "layer_spec.features is 'pre_norm' in the stored features but 'normed'"),
+    (["eagle1.feature=pre_norm"], "layer_spec.features is 'normed' in the stored features but 'pre_norm'"),
     (["target=tiny-random-gemma3"], "target.name is 'tiny-random-llama'"),
     (["dtype=bfloat16"], "target.dtype is 'float32'"),
 ])

@@ -16,7 +16,7 @@ from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, Eagle1Output,
 
 @dataclass
 class Eagle1Options:
-    feature: Literal["pre_norm", "normed"] = "pre_norm"  # drafters.eagle1; an engine export needs normed
+    feature: Literal["pre_norm", "normed"] = "normed"  # drafters.eagle1; pre_norm trains but does not export
     feature_weight: float = 1.0  # SmoothL1(predicted feature_{t+1}, target feature_{t+1})
     token_weight: float = 0.1  # soft CE(target distribution at t+1, head(predicted feature))
     noise: float = 0.1  # half-width a of U(-a, a) added to the input features, training only (paper: 0.1)
