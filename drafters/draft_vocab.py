@@ -23,6 +23,9 @@ class DraftVocabError(ValueError):
 
 @dataclass(frozen=True)
 class DraftVocab:
+    """The one owner of the draft <-> target id mapping; the two functions below are its sync-free forms
+    for code that holds only the t2d buffer (the training loss)."""
+
     d2t: Tensor  # (N,) int64
     t2d: Tensor  # (V,) bool
 
@@ -54,9 +57,8 @@ class DraftVocab:
     def to_draft(self, target_ids: Tensor) -> tuple[Tensor, Tensor]:
         """-> (draft ids, in-vocab mask); draft id is 0 where the target id is not in the vocab."""
         t2d = self.t2d.to(target_ids.device)
-        draft_index = t2d.long().cumsum(0) - 1  # (V,) rank of v among the kept ids
         in_vocab = t2d[target_ids]
-        return torch.where(in_vocab, draft_index[target_ids], 0), in_vocab
+        return torch.where(in_vocab, draft_rank(t2d)[target_ids], 0), in_vocab
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"d2t": self.d2t, "t2d": self.t2d}
@@ -78,6 +80,17 @@ class DraftVocab:
                                   f"has {target_vocab_size}; was it built for another target?")
         _validate(d2t, t2d, source=source)
         return cls(d2t=d2t, t2d=t2d)
+
+
+def kept_target_ids(t2d: Tensor, size: int) -> Tensor:
+    """(N,) target ids kept by the draft vocab, ascending (= DraftVocab.used = arange(N) + d2t), from t2d
+    alone and without a host sync."""
+    return torch.argsort((~t2d).to(torch.int8), stable=True)[:size]
+
+
+def draft_rank(t2d: Tensor) -> Tensor:
+    """(V,) target id -> its draft id (its rank among the kept ids); meaningful where t2d."""
+    return t2d.long().cumsum(0) - 1
 
 
 def _validate(d2t: Tensor, t2d: Tensor, *, source: str) -> None:

@@ -268,7 +268,7 @@ class Eagle3Drafter(nn.Module):
                     return_logits: bool = False) -> TTTOutput:
         """Training-time test. All inputs are aligned with the sequence the target read (rows
         right-padded, nothing pre-shifted): features (B, T, n*h) fused at positions t; input_ids
-        (B, T); target_logits (B, T, V), or drafters.losses.HeadRows (read only at the supervised rows, so
+        (B, T); target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised rows, so
         the full (B, T, V) logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s is learnt.
         normalize: "positions" = each step's loss sums over counted positions / (B*T), DESIGN's
         "averaged over all positions" (official trainer, SpecForge); "counted" = mean over them.

@@ -1,10 +1,38 @@
-"""sha256 of files and directories by content, for caches, resumes and provenance that must not trust a
-name (offline features and resumed runs: the data file; tau caches and merges: a drafter's files; the GGUF
-cache: a target file). Knows nothing about what the files hold.
+"""Files written whole or not at all, and sha256 of files and directories by content, for caches,
+resumes and provenance that must not trust a name (offline features and resumed runs: the data file;
+tau caches and merges: a drafter's files; the GGUF cache: a target file). Knows nothing about what
+the files hold. (Directories, checkpoints and exports, are staged and renamed by their writers:
+drafters.checkpoint, drafters.export.common.)
 """
 
 import hashlib
+import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def atomic_path(path):
+    """with atomic_path(p) as tmp: write tmp -> renamed to p on success (readers see the old file or the
+    complete new one, never a partial one); removed on any error. tmp is in p's directory (same file
+    system, so the rename is atomic) and gets mode 0644 like a plain open()."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def file_sha256(path) -> str:

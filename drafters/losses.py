@@ -8,8 +8,10 @@ Metrics stay tensors (no host sync); call `.item()` at log steps only.
 import torch
 from torch import Tensor
 
+from drafters.draft_vocab import draft_rank, kept_target_ids
 
-class HeadRows:
+
+class LabelLogits:  # not drafters.heads.HeadRows (which rows train which Medusa head)
     """The target's logits at chosen rows only, computed on demand: the label side of a loss without the
     (B, T, V) tensor (V = 49k for SmolLM2, 262k for Gemma-3) that a full LM head pass materialises.
         hidden (B, T, h): the final-normed last hidden state (HF hidden_states index L)
@@ -25,11 +27,6 @@ class HeadRows:
         return self.head(self.hidden[mask])
 
 
-def draft_vocab_ids(t2d: Tensor, draft_vocab_size: int) -> Tensor:
-    """(N,) target ids kept by the draft vocab, ascending (= arange(N) + d2t); no host sync."""
-    return torch.argsort((~t2d).to(torch.int8), stable=True)[:draft_vocab_size]
-
-
 @torch.no_grad()
 def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: int):
     """target_logits (B, T, V) (or any leading shape, e.g. (N, V) gathered rows) -> what the
@@ -37,11 +34,10 @@ def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: in
         target_p (B, T, Vd) float32 = softmax(target_logits[..., used])  renormalised over the vocab
         in_vocab (B, T) bool        = t2d[argmax_V target_logits]        FULL-vocab argmax is kept
         argmax_draft (B, T) long    = draft id of that argmax (meaningful where in_vocab)"""
-    used = draft_vocab_ids(t2d, draft_vocab_size)
+    used = kept_target_ids(t2d, draft_vocab_size)
     target_argmax = target_logits.argmax(-1)  # (B, T) over the full target vocab
-    draft_index = t2d.long().cumsum(0) - 1  # (V,) target id -> draft id where t2d
     target_p = torch.softmax(target_logits.index_select(-1, used).float(), dim=-1)
-    return target_p, t2d[target_argmax], draft_index[target_argmax]
+    return target_p, t2d[target_argmax], draft_rank(t2d)[target_argmax]
 
 
 def soft_cross_entropy(draft_logits: Tensor, target_p: Tensor, in_vocab: Tensor,

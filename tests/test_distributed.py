@@ -32,9 +32,16 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    load_script("train/eagle.py").main([*COMMON, f"output_dir={one}", "grad_accum=2"])
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    # the one-process baseline both launchers are compared with, trained once
+    out = tmp_path_factory.mktemp("one")
+    load_script("train/eagle.py").main([*COMMON, f"output_dir={out}", "grad_accum=2"])
+    return out
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(one, tmp_path):
+    two = tmp_path / "two"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(free_port()), "train/eagle.py", *COMMON, f"output_dir={two}",
@@ -51,10 +58,9 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     assert [a for r in rb for a in r["step_acc"]] == pytest.approx([a for r in ra for a in r["step_acc"]], abs=1e-6)
 
 
-def test_two_process_deepspeed_zero2_on_cpu_matches_one_process(tmp_path):
+def test_two_process_deepspeed_zero2_on_cpu_matches_one_process(one, tmp_path):
     pytest.importorskip("deepspeed", reason="pip install -e .[test] installs deepspeed")
-    one, two = tmp_path / "one", tmp_path / "zero2"
-    load_script("train/eagle.py").main([*COMMON, f"output_dir={one}", "grad_accum=2"])
+    two = tmp_path / "zero2"
     # what `accelerate launch --config_file recipes/accelerate/zero2.yaml` sets, on a CPU (gloo)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true",
            "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}

@@ -1,10 +1,10 @@
 """drafters.losses: the fused LM-head soft cross-entropy equals the unfused one (loss, accuracy, gradients),
-chunked or not, in float32 and under bf16 autocast; HeadRows equals indexing the full logits."""
+chunked or not, in float32 and under bf16 autocast; LabelLogits equals indexing the full logits."""
 
 import pytest
 import torch
 
-from drafters.losses import HeadRows, linear_soft_cross_entropy, soft_cross_entropy
+from drafters.losses import LabelLogits, linear_soft_cross_entropy, soft_cross_entropy
 
 
 def inputs(rows=37, hidden=16, vocab=50, seed=0):
@@ -64,4 +64,4 @@ def test_head_rows_equals_indexing_the_full_logits():
     g = torch.Generator().manual_seed(1)
     hidden, head = torch.randn(2, 5, 8, generator=g), torch.nn.Linear(8, 11, bias=False)
     mask = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)
-    torch.testing.assert_close(HeadRows(hidden, head)[mask], head(hidden)[mask])
+    torch.testing.assert_close(LabelLogits(hidden, head)[mask], head(hidden)[mask])

@@ -37,9 +37,7 @@ speed or greedy check is reported; use it for tau sweeps, and measure speed with
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +45,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from drafters.files import write_text_atomic
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.decode.decoder import RoundStats, speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
-from drafters.decode.proposers.loading import load_proposer, proposer_sha256, tree_budget, tree_depth
+from drafters.decode.proposers.loading import load_proposer, proposer_sha256
 from drafters.decode.sampling import SamplingConfig
 from drafters.targets import load_target
 from drafters.decode.tree import ChainSpec, parse_tree_spec
@@ -179,7 +178,7 @@ def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling
     history = []
     for turn in range(min(len(item.turns), args.max_turns or len(item.turns))):
         prompt = torch.tensor(render_prompt(target.tokenizer, item, history), dtype=torch.long)
-        depth = AdaptiveChain.max_depth if args.adaptive else tree_depth(tree)
+        depth = AdaptiveChain.max_depth if args.adaptive else tree.depth
         needed = prompt.numel() + args.max_new_tokens + depth
         if needed > target.max_position_embeddings:
             run.skipped.append({"id": item.id, "turn": turn + 1, "prompt_tokens": prompt.numel(),
@@ -281,7 +280,7 @@ def summarize(run: Run, args, target, tree) -> dict:
     per_depth = stats.depth_acceptance()
     target_s_per_token = run.base_s / max(run.base_tokens, 1)
     c = (stats.draft_s / rounds) / k / target_s_per_token if k > 0 and target_s_per_token else 0.0
-    budget = tree_budget(tree)
+    budget = tree.budget
     measured = run.base_tokens > 0  # False with --no-baseline
     return {
         "target": target.name, "proposer": args.proposer, "proposer_sha256": args.proposer_sha256,
@@ -434,17 +433,7 @@ def print_report(r: dict) -> None:
 
 
 def write_json_atomic(path: Path, report: dict) -> None:
-    # temp file in the same directory + rename: readers never see a partial file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2, allow_nan=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(report, indent=2, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -253,9 +253,21 @@ TREE_SPEC_GRAMMAR = """tree spec grammar:
                                         all three keys required)"""
 
 
+# Each spec knows its budget (draft nodes per round, root excluded: the root is the pending token, not a
+# draft) and its depth (the deepest draft).
+
+
 @dataclass(frozen=True)
 class ChainSpec:
     length: int
+
+    @property
+    def budget(self) -> int:
+        return self.length
+
+    @property
+    def depth(self) -> int:
+        return self.length
 
 
 @dataclass(frozen=True)
@@ -263,12 +275,24 @@ class StaticSpec:
     shape: TreeShape
     name: str
 
+    @property
+    def budget(self) -> int:
+        return self.shape.num_nodes - 1
+
+    @property
+    def depth(self) -> int:
+        return self.shape.max_depth
+
 
 @dataclass(frozen=True)
 class DynamicSpec:
     total: int = 60
     depth: int = 6
     topk: int = 10
+
+    @property
+    def budget(self) -> int:
+        return self.total
 
 
 TreeSpec = ChainSpec | StaticSpec | DynamicSpec

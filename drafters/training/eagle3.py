@@ -16,7 +16,7 @@ from drafters.draft_vocab import DraftVocab
 from drafters.eagle1 import FrozenHead
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
-from drafters.losses import HeadRows
+from drafters.losses import LabelLogits
 from drafters.targets import Target
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1, eagle1_inputs_fn
 from drafters.training.loop import TrainRecipe
@@ -74,7 +74,7 @@ class Eagle3Objective(nn.Module):
 
 
 def target_inputs_fn(recipe: EagleRecipe, target: Target, drafter):
-    """-> batch -> (features in the drafter's dtype, target logits (B, T, V) or HeadRows), no grad, for
+    """-> batch -> (features in the drafter's dtype, target logits (B, T, V) or LabelLogits), no grad, for
     recipe.drafter, online (a target forward) or offline (features.dir)."""
     if recipe.drafter == "eagle1":
         return eagle1_inputs_fn(recipe, target, drafter)
@@ -86,16 +86,16 @@ def target_inputs_fn(recipe: EagleRecipe, target: Target, drafter):
 
 @torch.no_grad()
 def target_inputs(target: Target, head: FrozenHead, aux_layers: list[int], batch: dict, dtype: torch.dtype):
-    """-> fused features (B, T, n*h) in the drafter's dtype, the target's logits as HeadRows (computed at
+    """-> fused features (B, T, n*h) in the drafter's dtype, the target's logits as LabelLogits (computed at
     the supervised rows only, drafters.losses); no grad."""
     out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=False)
-    return fuse_features(out.hidden_states, aux_layers).to(dtype), HeadRows(out.last_hidden, head)
+    return fuse_features(out.hidden_states, aux_layers).to(dtype), LabelLogits(out.last_hidden, head)
 
 
 @torch.no_grad()
 def stored_inputs(head: FrozenHead, batch: dict, dtype: torch.dtype):
     """target_inputs from offline features (drafters.training.features: fused features and label_hidden stored)."""
-    return batch["features"].to(dtype), HeadRows(batch["label_hidden"], head)
+    return batch["features"].to(dtype), LabelLogits(batch["label_hidden"], head)
 
 
 # ---- held-out evaluation --------------------------------------------------------------------------

@@ -19,8 +19,8 @@ A features directory holds
 No logits are stored (V x 2 bytes per token, 98 kB for SmolLM2 against 1.2 kB of bf16 feature): the soft-CE
 target, the target's distribution at t+1, is recomputed through the frozen head (final norm if pre-norm,
 LM head, softcap) from the stored feature_{t+1} (EAGLE-1) or label_hidden_{t+1} (EAGLE-3, at supervised
-rows only: drafters.losses.HeadRows), which is what the target itself computes. EAGLE-3 trains online
-through the same HeadRows, so with float32 storage online and offline losses are bit-identical.
+rows only: drafters.losses.LabelLogits), which is what the target itself computes. EAGLE-3 trains online
+through the same LabelLogits, so with float32 storage online and offline losses are bit-identical.
 
 Writing is resumable: each shard goes to a temporary file renamed into place, index.json (rewritten
 atomically after each shard) lists the finished ones, and a rerun skips them. Reading refuses features
@@ -31,7 +31,6 @@ Knows nothing about drafters or training loops; `header` comes from the caller (
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict
 from functools import partial
@@ -47,7 +46,7 @@ from tqdm import tqdm
 from drafters.checkpoint import target_info
 from drafters.training.data import Example, collate
 from drafters.eagle3 import fuse_features
-from drafters.files import data_sha256
+from drafters.files import atomic_path, data_sha256, write_text_atomic
 from drafters.training.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
 from drafters.training.loop import LengthBuckets, num_tokens
@@ -136,9 +135,8 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
             continue
         rows = examples[k * per_shard:(k + 1) * per_shard]
         tensors = shard_tensors(target, rows, spec, dtype, batch_size, bar)
-        tmp = directory / f".{name}.tmp-{os.getpid()}"
-        save_file(tensors, tmp, metadata={"format": FORMAT})
-        os.replace(tmp, directory / name)  # atomic: a shard file is complete or absent
+        with atomic_path(directory / name) as tmp:  # a shard file is complete or absent
+            save_file(tensors, tmp, metadata={"format": FORMAT})
         index["shards"][name] = {"first_row": k * per_shard, "rows": len(rows), "tokens": tensors["input_ids"].numel(),
                                  "bytes": (directory / name).stat().st_size}
         _write_index(directory, index)
@@ -211,9 +209,7 @@ def _read_index(directory: Path) -> dict | None:
 
 
 def _write_index(directory: Path, index: dict) -> None:
-    tmp = directory / f".{INDEX}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=2) + "\n")
-    os.replace(tmp, directory / INDEX)
+    write_text_atomic(directory / INDEX, json.dumps(index, indent=2) + "\n")
 
 
 def storage_report(index: dict) -> str:

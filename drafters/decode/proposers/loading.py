@@ -80,23 +80,6 @@ def proposer_sha256(spec: str) -> str | None:
     return dir_sha256(path, names)
 
 
-def tree_budget(tree: TreeSpec) -> int:
-    # draft nodes per round, root excluded (the root is the pending token, not a draft)
-    if isinstance(tree, ChainSpec):
-        return tree.length
-    if isinstance(tree, DynamicSpec):
-        return tree.total
-    return tree.shape.num_nodes - 1
-
-
-def tree_depth(tree: TreeSpec) -> int:
-    if isinstance(tree, ChainSpec):
-        return tree.length
-    if isinstance(tree, DynamicSpec):
-        return tree.depth
-    return tree.shape.max_depth
-
-
 def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
     options = {}
     for item in filter(None, arg.split(",")):
@@ -110,14 +93,14 @@ def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
         branches = tree.topk
     else:
         branches = sum(1 for i in range(tree.shape.num_nodes) if i not in tree.shape.parents)
-    return PromptLookupProposer(depth=tree_depth(tree), branches=branches, max_nodes=tree_budget(tree),
+    return PromptLookupProposer(depth=tree.depth, branches=branches, max_nodes=tree.budget,
                                 eos_token_ids=target.eos_token_ids, **options)
 
 
 def _hybrid(drafter, lookup_options: str, target, tree: TreeSpec) -> HybridProposer:
     # one lookup continuation as deep as the tree (at most tree_depth nodes more to verify per round)
-    lookup = _prompt_lookup(lookup_options, target, ChainSpec(tree_depth(tree)))
-    return HybridProposer(drafter, lookup, max_lookup_nodes=tree_depth(tree))
+    lookup = _prompt_lookup(lookup_options, target, ChainSpec(tree.depth))
+    return HybridProposer(drafter, lookup, max_lookup_nodes=tree.depth)
 
 
 def _draft_model(name: str, target, tree: TreeSpec) -> DraftModelProposer:
