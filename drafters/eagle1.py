@@ -23,7 +23,7 @@ again with the next token, and the loss is feature regression + soft CE through 
 Knows nothing about the target model, datasets or decoding trees.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,10 +32,8 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
+from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
 from drafters.eagle3 import (
-    Eagle3Attention,
-    Eagle3Cache,
-    Eagle3Config,
     shift_left,
     ttt_attention_mask,
     ttt_input_ids,
@@ -65,14 +63,7 @@ class Eagle1Config:
     def from_target_config(cls, config, feature: str = "normed") -> "Eagle1Config":
         if feature not in FEATURES:
             raise ValueError(f"EAGLE-1 feature {feature!r}: choose one of {', '.join(FEATURES)}")
-        # The layer geometry (GQA heads, head_dim, RoPE parameters, Gemma's names) is read as for EAGLE-3;
-        # layers=[0] and the full vocab only satisfy its checks, neither is used here.
-        cfg = config.get_text_config()
-        geometry = Eagle3Config.from_target_config(config, draft_vocab_size=cfg.vocab_size, layers=[0])
-        return cls(**{f.name: getattr(geometry, f.name) for f in fields(cls) if f.name != "feature"},
-                   feature=feature)
-
-    llama_config = Eagle3Config.llama_config  # the decoder layer as a LlamaConfig (RoPE, MLP)
+        return cls(**target_layer_fields(config), feature=feature)
 
 
 class FrozenHead:
@@ -101,29 +92,14 @@ class FrozenHead:
         return logits
 
 
-class Eagle1Attention(nn.Module):
-    """GQA attention on the h-wide fc output (differs from EAGLE-3: q/k/v read cat(embed, hidden), 2h)."""
-
-    def __init__(self, c: Eagle1Config):
-        super().__init__()
-        self.head_dim = c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-
-    project = Eagle3Attention.project  # x (B, T, h) -> q, k, v (B, H, T, D) with RoPE
-    attend = Eagle3Attention.attend  # softmax(q k^T / sqrt(D), mask) v -> o_proj -> (B, T, h)
-
-
 class Eagle1DecoderLayer(nn.Module):
     """A Llama decoder layer without input_layernorm (official EAGLE-1: layer 0 reads the fc output as is)."""
 
     def __init__(self, c: Eagle1Config):
         super().__init__()
-        self.self_attn = Eagle1Attention(c)
+        self.self_attn = DraftAttention(c, c.hidden_size)  # differs from EAGLE-3: q/k/v read the h-wide fc output
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.mlp = LlamaMLP(c.llama_config())
+        self.mlp = LlamaMLP(llama_config(c))
 
     def forward(self, x, cos, sin, past, mask):
         """x (B, T, h); past = (keys, values) (B, Hkv, S, D) or None; mask over the S + T keys.
@@ -165,7 +141,7 @@ class Eagle1Drafter(nn.Module):
         c = self.config = config
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layers = nn.ModuleList([Eagle1DecoderLayer(c)])
-        self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())  # buffers not saved
+        self.rotary_emb = LlamaRotaryEmbedding(llama_config(c))  # buffers not saved
         self.head = head  # a plain attribute: not a submodule, so not in parameters() or state_dict()
 
     def attach_head(self, head: FrozenHead) -> "Eagle1Drafter":
@@ -256,13 +232,13 @@ class Eagle1Drafter(nn.Module):
 
     # ---- inference: one step at a time with a real KV cache (drafters.decode.proposers.eagle) -------------
 
-    def prefill(self, features, input_ids, embed, cache: Eagle3Cache, positions=None):
+    def prefill(self, features, input_ids, embed, cache: DraftKVCache, positions=None):
         """Append pairs (feature_t, token_{t+1}): features (B, T, h) at cache slots S..S+T-1
         (S = len(cache)), input_ids (B, T) with input_ids[:, t] = the token following feature t. Causal.
         -> (predicted features (B, T, h), logits (B, T, V)); row t, at position S+t, drafts token S+t+2."""
         return self._extend(features, input_ids, embed, cache, positions, mask=None)
 
-    def step(self, hidden, input_ids, embed, cache: Eagle3Cache, positions=None, mask=None):
+    def step(self, hidden, input_ids, embed, cache: DraftKVCache, positions=None, mask=None):
         """Draft on own outputs: hidden (B, q, h) = each node's parent's predicted feature, used as the
         feature input (differs from EAGLE-3, whose step skips fc); input_ids (B, q) the nodes' tokens;
         positions (B, q) = parent's + 1; mask (B, 1, q, S+q) bool over [cache; new] (default causal)."""

@@ -14,17 +14,11 @@ token_{t+2}. Its label is the target's row t+1 (the target's logits at t+1 predi
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
+from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
 from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
@@ -56,34 +50,7 @@ class Eagle3Config:
         if not 0 < draft_vocab_size <= cfg.vocab_size:
             raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, target vocab "
                              f"{cfg.vocab_size}]")
-        rope = dict(cfg.rope_parameters)  # transformers 5.x keeps theta and scaling here
-        rope = dict(rope.get("full_attention", rope))  # Gemma-3: per layer type; drafter = full
-        rope_theta = rope.pop("rope_theta")
-        return cls(
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            vocab_size=cfg.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            aux_layers=layers,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=rope_theta,
-            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-            hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names
-        )
-
-    def llama_config(self) -> LlamaConfig:
-        """The drafter's layer as a LlamaConfig (transformers' RoPE and MLP read it)."""
-        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
-        return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
-            num_key_value_heads=self.num_key_value_heads, num_hidden_layers=1,
-            vocab_size=self.vocab_size, max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps, rope_parameters=rope, hidden_act=self.hidden_act)
+        return cls(**target_layer_fields(config), draft_vocab_size=draft_vocab_size, aux_layers=layers)
 
 
 def fuse_features(hidden_states, layers) -> Tensor:
@@ -91,39 +58,14 @@ def fuse_features(hidden_states, layers) -> Tensor:
     return torch.cat([hidden_states[layer] for layer in layers], dim=-1)
 
 
-class Eagle3Attention(nn.Module):
-    """GQA attention whose q/k/v read the 2h-wide cat(embed, hidden); keys/values are explicit."""
-
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.head_dim = c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        shape = (*x.shape[:2], -1, self.head_dim)  # x (B, T, 2h)
-        q = self.q_proj(x).view(shape).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(x).view(shape).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(shape).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        # softmax(q k^T / sqrt(D) where mask else -inf) v; mask (T, S) or (B, 1, T, S), True = see
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).flatten(2))  # (B, T, h)
-
-
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.self_attn = Eagle3Attention(c)
+        self.self_attn = DraftAttention(c, 2 * c.hidden_size)  # q/k/v read cat(embed, hidden)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.mlp = LlamaMLP(c.llama_config())
+        self.mlp = LlamaMLP(llama_config(c))
 
     def forward(self, embeds, hidden, cos, sin, past, mask):
         """embeds, hidden (B, T, h); past = (keys, values) (B, Hkv, S, D) or None; mask over the
@@ -183,34 +125,6 @@ class TTTOutput:
     step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, Vd) at positions t = 0 .. T-2-i
 
 
-@dataclass
-class Eagle3Cache:
-    """KV cache of the single decoder layer. A slot is an index into it; keys carry RoPE of the
-    position they were computed at (slot == position along a chain, not inside a tree)."""
-    keys: Tensor | None = None  # (B, Hkv, S, D)
-    values: Tensor | None = None  # (B, Hkv, S, D)
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def past(self):
-        return None if self.keys is None else (self.keys, self.values)
-
-    def append(self, keys: Tensor, values: Tensor) -> None:
-        past = self.past()
-        self.keys = keys if past is None else torch.cat([past[0], keys], 2)
-        self.values = values if past is None else torch.cat([past[1], values], 2)
-
-    def crop(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-
-    def select(self, slots: Tensor) -> None:
-        """Keep cache slots `slots` (S',) in that order (compaction after tree verification)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, slots], self.values[:, :, slots]
-
-
 class Eagle3Drafter(nn.Module):
     """The four verbs (SpecForge v0.1): embed ids (the caller's `embed`: the target's frozen
     embedding), project hidden states (`fc`), backbone (`midlayer`), compute logits."""
@@ -222,7 +136,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3DecoderLayer(c)
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())  # buffers not saved
+        self.rotary_emb = LlamaRotaryEmbedding(llama_config(c))  # buffers not saved
         # Without a vocab the buffers hold the lowest draft_vocab_size ids until set_draft_vocab()
         # or load_state_dict() fills them.
         vocab = draft_vocab or DraftVocab.from_used(torch.arange(c.draft_vocab_size), c.vocab_size)
@@ -332,7 +246,7 @@ class Eagle3Drafter(nn.Module):
 
     # ---- inference: the same computation one step at a time with a real KV cache -------------
 
-    def prefill(self, features, input_ids, embed, cache: Eagle3Cache, positions=None):
+    def prefill(self, features, input_ids, embed, cache: DraftKVCache, positions=None):
         """Append step-0 inputs: features (B, T, n*h) at cache slots S..S+T-1 (S = len(cache))
         and input_ids (B, T) with input_ids[:, t] = the token following feature t. Causal.
         -> (hidden (B, T, h) pre-norm outputs, logits (B, T, Vd)); row t, at position S+t,
@@ -340,7 +254,7 @@ class Eagle3Drafter(nn.Module):
         return self._extend(self.project_hidden_states(features), input_ids, embed, cache,
                             positions, mask=None)
 
-    def step(self, hidden, input_ids, embed, cache: Eagle3Cache, positions=None, mask=None):
+    def step(self, hidden, input_ids, embed, cache: DraftKVCache, positions=None, mask=None):
         """Draft on own outputs: hidden (B, q, h) = output hidden of each node's parent,
         input_ids (B, q) the nodes' tokens (target ids), positions (B, q) = parent's + 1,
         mask (B, 1, q, S+q) bool over [cache; new] (default causal: a chain)."""

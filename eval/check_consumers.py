@@ -35,7 +35,8 @@ from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.draft_vocab import build_draft_vocab
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features, shift_left
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features, shift_left
+from drafters.layers import DraftKVCache
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.check import read_eagle3_export
 from drafters.decode.proposers.loading import load_proposer
@@ -176,7 +177,7 @@ def check_speculators_drafter(target, work: Path, venv: Path, corrupt=None) -> d
 def drafter_logits(proposer, fused, ids, chain):
     # the loaded drafter's own inference path: prefill the prompt pairs and the root (pending), then
     # one cached step per draft of speculators' chain -> ((1, T, Vd), (K, Vd) at chain depths 0..K-1)
-    drafter, cache = proposer.drafter, Eagle3Cache()
+    drafter, cache = proposer.drafter, DraftKVCache()
     hidden, logits = drafter.prefill(fused, torch.cat([ids[:, 1:], chain[None, :1]], 1), proposer.embed, cache)
     steps, last = [logits[0, -1]], hidden[:, -1:]
     for token in chain[1:-1]:

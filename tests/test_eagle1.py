@@ -17,7 +17,8 @@ from transformers import GenerationConfig
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, shift_left
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
+from drafters.layers import DraftKVCache
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.eagle1 import check_eagle1_export, expected_shapes
@@ -145,7 +146,7 @@ def test_self_fed_chain_equals_drafting_with_a_kv_cache(hand_made):
     drafter, embed, steps = new_drafter(target).eval(), target.embed_tokens, 4
     out = drafter.forward_chain(features, ids, logits, loss_mask, embed, steps=steps, return_logits=True)
     for t in (0, 5, ids.shape[1] - 1 - steps):
-        cache = Eagle3Cache()
+        cache = DraftKVCache()
         hidden, step_logits = drafter.prefill(features[:, :t + 1], ids[:, 1:t + 2], embed, cache)
         reference, hidden = [step_logits[:, t]], hidden[:, t:t + 1]
         for i in range(1, steps):

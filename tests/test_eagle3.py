@@ -4,8 +4,8 @@ from transformers import LlamaConfig
 
 import drafters.eagle3 as eagle3
 from drafters.draft_vocab import build_draft_vocab
+from drafters.layers import DraftKVCache
 from drafters.eagle3 import (
-    Eagle3Cache,
     Eagle3Config,
     Eagle3Drafter,
     fuse_features,
@@ -56,7 +56,7 @@ def decode_reference(drafter, features, input_ids, embed, t, steps):
     """Draft from position t as the decoder does: prefill step-0 inputs (feature_s, token_{s+1})
     for s = 0..t into a KV cache, then feed the drafter's own output hidden back, one step at a
     time, with token_{t+1+i} (the tokens TTT teacher-forces) at RoPE position t+i."""
-    cache = Eagle3Cache()
+    cache = DraftKVCache()
     hidden, logits = drafter.prefill(features[:, :t + 1], input_ids[:, 1:t + 2], embed, cache)
     step_logits, hidden = [logits[:, t]], hidden[:, t:t + 1]
     for i in range(1, steps):
@@ -196,8 +196,8 @@ def test_prefill_chunks_and_crop_match_one_prefill(tiny_llama):
     drafter, embed = make_drafter(model, input_ids, loss_mask), model.get_input_embeddings()
     next_ids, seq_len = input_ids[:, 1:], input_ids.shape[1] - 1
     with torch.no_grad():
-        _, whole = drafter.prefill(features[:, :seq_len], next_ids, embed, Eagle3Cache())
-        cache = Eagle3Cache()
+        _, whole = drafter.prefill(features[:, :seq_len], next_ids, embed, DraftKVCache())
+        cache = DraftKVCache()
         drafter.prefill(features[:, :5], next_ids[:, :5], embed, cache)
         drafter.prefill(features[:, 5:9], next_ids[:, 5:9], embed, cache)  # 4 rejected drafts
         cache.crop(5)

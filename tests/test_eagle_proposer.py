@@ -15,7 +15,8 @@ from transformers import GenerationConfig
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.draft_vocab import build_draft_vocab
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, fuse_features
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
+from drafters.layers import DraftKVCache
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.eagle import load_eagle_proposer
 from drafters.decode.sampling import SamplingConfig
@@ -84,7 +85,7 @@ def drafter_along(proposer, model, prompt, path):
     # default (chain) positions and causal mask. -> [(Vd,) logits after each path token]
     drafter, embed, layers = proposer.drafter, proposer.embed, proposer.drafter.config.aux_layers
     fused = fuse_features(target_features(model, prompt, layers).hidden_states, layers)  # (1, T, 3h)
-    cache = Eagle3Cache()
+    cache = DraftKVCache()
     hidden, logits = drafter.prefill(fused, torch.cat([prompt[1:], path[:1]])[None], embed, cache)
     hidden, out = hidden[:, -1:], [logits[0, -1]]
     for token in path[1:]:
@@ -203,7 +204,7 @@ class CheckedAgainstScratch:
         layers = p.drafter.config.aux_layers
         fused = fuse_features(target_features(self.model, context, layers).hidden_states, layers)
         next_tokens = torch.cat([context[1:], torch.tensor([pending])])  # (T,) pairs with features 0..T-1
-        scratch = Eagle3Cache()
+        scratch = DraftKVCache()
         _, expected = p.drafter.prefill(fused, next_tokens[None], p.embed, scratch)
         torch.testing.assert_close(logits[0, -1], expected[0, -1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(p.cache.keys, scratch.keys, atol=1e-4, rtol=1e-4)

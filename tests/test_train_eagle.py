@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from drafters.checkpoint import load_checkpoint
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.layers import DraftKVCache
 from drafters.training.recipe import RecipeError
 from drafters.tiny import build_tiny_target
 from conftest import load_script  # tests/ is on sys.path under pytest
@@ -81,8 +82,8 @@ def test_checkpoint_rebuilds_the_trained_drafter(run):
     input_ids = torch.randint(3, 259, (1, 12), generator=generator)
     embed = summary.target.embed_tokens
     with torch.no_grad():
-        _, want = trained.prefill(features, input_ids, embed, Eagle3Cache())
-        _, got = rebuilt.prefill(features, input_ids, embed, Eagle3Cache())
+        _, want = trained.prefill(features, input_ids, embed, DraftKVCache())
+        _, got = rebuilt.prefill(features, input_ids, embed, DraftKVCache())
     assert torch.equal(got, want)
     assert torch.equal(rebuilt.topk_tokens(got)[1], trained.topk_tokens(want)[1])
 

@@ -19,7 +19,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.layers import DraftKVCache
 
 
 class ExportCheckError(ValueError):
@@ -440,7 +441,7 @@ def _draft_logits(drafter: Eagle3Drafter, c: Eagle3Config, seed: int,
     width = len(c.aux_layers) * c.hidden_size
     features = torch.randn(1, seq_len, width, generator=gen)  # (1, T, n*h) fused target features
     ids = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=gen)  # (1, T+1)
-    cache = Eagle3Cache()
+    cache = DraftKVCache()
     hidden, prefill_logits = drafter.prefill(features, ids[:, :seq_len], embed, cache)
     _, step_logits = drafter.step(hidden[:, -1:], ids[:, seq_len:], embed, cache)
     return [prefill_logits, step_logits]

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.eagle3 import Eagle3Cache
+from drafters.layers import DraftKVCache
 from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
                              exported_files, load_source, write_staged)
 from drafters.export.check import CheckReport, ExportCheckError, check_finite
@@ -274,7 +274,7 @@ def _outputs(drafter: Eagle1Drafter, c: Eagle1Config, seed: int, seq_len: int = 
     drafter.attach_head(FrozenHead(lm_head, None))  # normed: the LM head straight on the output
     features = torch.randn(1, seq_len, c.hidden_size, generator=gen)  # (1, T, h)
     ids = torch.randint(0, c.vocab_size, (1, seq_len + 1), generator=gen)
-    cache = Eagle3Cache()
+    cache = DraftKVCache()
     hidden, logits = drafter.prefill(features, ids[:, :seq_len], embed, cache)
     step_hidden, step_logits = drafter.step(hidden[:, -1:], ids[:, seq_len:], embed, cache)
     return [hidden, logits, step_hidden, step_logits]

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from drafters.checkpoint import check_target, load_checkpoint
 from drafters.registry import build_drafter, check_fits, drafter_config
-from drafters.eagle3 import Eagle3Cache, Eagle3Config, fuse_features
+from drafters.eagle3 import Eagle3Config, fuse_features
+from drafters.layers import DraftKVCache
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample_without_replacement, warp
 from drafters.decode.tree import (
@@ -61,13 +62,13 @@ class EagleProposer:
         device = drafter.lm_head.weight.device
         self.used = drafter.draft_vocab.used.to(device)  # (Vd,) draft id -> target id
         self.generator = torch.Generator(device).manual_seed(seed)  # sampled drafts only
-        self.cache, self.length, self.last = Eagle3Cache(), 0, None
+        self.cache, self.length, self.last = DraftKVCache(), 0, None
 
     # ------------------------------------------------------------ committed pairs
 
     def reset(self, prompt_ids: Tensor, features) -> None:
         fused = self.fuse(features)  # (1, T, n*h) at prompt positions 0..T-1
-        self.cache, self.length, self.last = Eagle3Cache(), 0, fused[:, :0]
+        self.cache, self.length, self.last = DraftKVCache(), 0, fused[:, :0]
         self._commit(fused, prompt_ids[1:])
 
     def update(self, new_tokens: Tensor, features, pending: int) -> None:
