@@ -30,6 +30,7 @@ from drafters.targets import Target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from test_sampling import chi_square_pvalue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +210,7 @@ def test_checkpoint_and_held_out_evaluation(run):
 def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkeypatch):
     # interrupted after step 4 (Ctrl-C saves a resumable checkpoint), then resumed: the noise generator's
     # state travels with the run state, so steps 5-6 draw the same noise as in the uninterrupted run
-    inner = eagle.train_loop
+    inner = loop.train_loop
 
     def interrupted(run, *args, **kwargs):
         periodic = run.periodic
@@ -222,10 +223,10 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkey
         run.periodic = stop
         return inner(run, *args, **kwargs)
 
-    monkeypatch.setattr(eagle, "train_loop", interrupted)
+    monkeypatch.setattr(loop, "train_loop", interrupted)
     with pytest.raises(SystemExit, match="resume_from"):
         eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}"])
-    monkeypatch.setattr(eagle, "train_loop", inner)
+    monkeypatch.setattr(loop, "train_loop", inner)
     eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "resume_from=latest"])
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-6)

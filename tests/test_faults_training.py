@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
 from drafters.training.recipe import RecipeError
 
@@ -49,7 +50,7 @@ STOP_STEP = 3  # the interrupt arrives while step 3 runs: step 3 finishes, is sa
 
 def interrupt_during(phase: str, script, monkeypatch):
     """A train_loop that sends this process SIGINT once, in `phase` of optimizer step STOP_STEP."""
-    inner = script.train_loop
+    inner = loop.train_loop
 
     def train_loop(run, optimizer, scheduler, *args, **kwargs):
         state = {"micro": 0, "sent": False}
@@ -99,13 +100,13 @@ def interrupt_during(phase: str, script, monkeypatch):
 def test_interrupt_in_any_phase_saves_the_finished_step_and_resumes_bitwise(uninterrupted, tmp_path, monkeypatch,
                                                                               recipe, phase):
     script, out = SCRIPTS[recipe], tmp_path / "run"
-    inner = script.train_loop
-    monkeypatch.setattr(script, "train_loop", interrupt_during(phase, script, monkeypatch))
+    inner = loop.train_loop
+    monkeypatch.setattr(loop, "train_loop", interrupt_during(phase, script, monkeypatch))
     with pytest.raises(SystemExit) as stopped:
         train(recipe, out)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handlers are back
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    monkeypatch.setattr(script, "train_loop", inner)
+    monkeypatch.setattr(loop, "train_loop", inner)
     train(recipe, out, "resume_from=latest")
     assert_same_weights(uninterrupted[recipe], out)
     # the step that was running when the signal came finished, and the checkpoint says so

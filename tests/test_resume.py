@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
 from drafters.training.recipe import RecipeError
 from drafters.training.loop import NonFiniteLoss
@@ -60,7 +61,7 @@ def test_sigkilled_run_resumes_to_bitwise_the_same_weights(uninterrupted, tmp_pa
 
 
 def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path, monkeypatch):
-    out, inner = tmp_path / "interrupted", eagle.train_loop
+    out, inner = tmp_path / "interrupted", loop.train_loop
 
     def interrupt_at_3(run, *args, **kwargs):
         periodic = run.periodic
@@ -73,10 +74,10 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path,
         run.periodic = then_interrupt
         return inner(run, *args, **kwargs)
 
-    monkeypatch.setattr(eagle, "train_loop", interrupt_at_3)
+    monkeypatch.setattr(loop, "train_loop", interrupt_at_3)
     with pytest.raises(SystemExit, match=r"interrupted: saved the state after step 3 .*checkpoint-3"):
         train(out)
-    monkeypatch.setattr(eagle, "train_loop", inner)
+    monkeypatch.setattr(loop, "train_loop", inner)
     train(out, f"resume_from={out / 'checkpoint-3'}")
     assert_same_run(uninterrupted, out)
 

@@ -25,20 +25,9 @@ Metrics come from the main process's batches; tokens/s counts real (non-pad) tok
 processes. Knows nothing about decoding trees or export formats.
 """
 
-import json
-from dataclasses import asdict, dataclass
-from functools import partial
-from pathlib import Path
-
-import torch
 from accelerate.utils import set_seed
-from tqdm import tqdm
 
-from drafters.checkpoint import target_info
 from drafters.draft_vocab import build_draft_vocab
-from drafters.eagle1 import Eagle1Drafter
-from drafters.eagle3 import Eagle3Drafter
-from drafters.targets import Target
 from drafters.training.data import collate
 from drafters.training.eagle1 import Eagle1Objective, build_eagle1_drafter, evaluate_eagle1
 from drafters.training.eagle3 import (
@@ -53,35 +42,18 @@ from drafters.training.eagle3 import (
 )
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.training.loop import (
-    MetricsLog,
-    Position,
     RunBase,
+    Summary,
+    fit,
     length_sorted_batches,
-    load_run_state,
     load_train_recipe,
-    lr_factor,
     pad_id,
-    plan_steps,
-    save_run_checkpoint,
     start_run,
     train_loader,
-    train_loop,
-    wandb_sink,
 )
 from drafters.training.recipe import run_main
 
 Recipe = EagleRecipe  # this script's schema (tests/test_recipes.py reads each script's `Recipe`)
-
-
-@dataclass
-class Summary:
-    steps: int
-    tokens: int
-    losses: list[float]  # total loss per optimizer step (main process)
-    eval: dict | None
-    checkpoint: Path
-    target: Target
-    drafter: Eagle3Drafter | Eagle1Drafter
 
 
 def main(argv: list[str]) -> Summary:
@@ -114,55 +86,18 @@ def main(argv: list[str]) -> Summary:
             f"{drafter.config.feature} features {'from ' + recipe.features.dir if store else 'online'}, "
             f"full vocab {target.vocab_size}")
         objective = Eagle1Objective(drafter, recipe.eagle1, recipe.seed)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
-                                  weight_decay=recipe.optim.weight_decay)
     loader = train_loader(recipe, train_rows, pad_id(target)) if store is None else \
         offline_loader(recipe, store, train_rows, pad_id(target))
-    sampler = loader.batch_sampler
-    objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
-    total_steps = plan_steps(recipe, len(loader))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
-    accelerator.register_for_checkpointing(scheduler)
     eval_batches = length_sorted_batches(held_out, recipe.batch_size)
     eval_batches = [collate(batch, pad_id(target)) for batch in eval_batches] if store is None else \
         offline_batches(store, eval_batches, pad_id(target))
-
-    output_dir = Path(recipe.output_dir)
-    step, position, resumed = 0, Position(), None
-    if resume is not None:
-        step, position, tokens = load_run_state(accelerator, resume, total_steps)
-        resumed = (step, tokens)
-        say(f"eagle: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
-    run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
-    losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
-    result = run.evaluate(total_steps)
-    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
-    say(f"eagle: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
-    if run.sink is not None:
-        run.sink.finish()
-    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target,
-                   accelerator.unwrap_model(objective).drafter)
-
-
-# ---- the loop -------------------------------------------------------------------------------------
+    return fit(recipe, accelerator, target, objective, loader, eval_batches, train_rows, resume, Run, "eagle")
 
 
 class Run(RunBase):
-    """The pieces of one training run that the loop, the evaluation and the saving share."""
-
-    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
-                 sampler, resumed: tuple[int, int] | None = None):
-        self.recipe, self.accelerator, self.target = recipe, accelerator, target
-        self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
-        self.train_rows, self.sampler = train_rows, sampler
-        self.drafter = accelerator.unwrap_model(objective).drafter
-        self.inputs = target_inputs_fn(recipe, target, self.drafter)  # batch -> (features, target logits)
-        self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
-        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
-                              sink=self.sink)
-        self.tokens_total = self.log.tokens_total
-        if accelerator.is_main_process and resumed is None:
-            (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inputs = target_inputs_fn(self.recipe, self.target, self.drafter)  # batch -> (features, labels)
 
     def micro_step(self, batch: dict, acc: dict | None) -> dict:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
@@ -180,31 +115,12 @@ class Run(RunBase):
         }
         return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
 
-    def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
-        """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
-        self.tokens_total = self.log.tokens_total
-        checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
-                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(),
-                      "extra": self.checkpoint_extra(step, result)}
-        return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
+    def held_out(self) -> dict:
+        held_out = evaluate_eagle1 if self.recipe.drafter == "eagle1" else evaluate_eagle3
+        return held_out(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches, self.recipe,
+                        self.accelerator)
 
-    def evaluate(self, step: int) -> dict | None:
-        result = None
-        if self.eval_batches and self.accelerator.is_main_process:
-            if self.recipe.drafter == "eagle1":
-                result = evaluate_eagle1(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
-                                         self.recipe, self.accelerator)
-            else:
-                result = evaluate_eagle3(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches, self.recipe,
-                                  self.accelerator)
-            result["step"] = step
-            tqdm.write(format_eval(result))  # keeps the progress bar intact
-            with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(result) + "\n")
-            if self.sink is not None:
-                self.sink(result, prefix="eval/")
-        self.accelerator.wait_for_everyone()
-        return result
+    describe = staticmethod(format_eval)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,15 @@ processes. Knows nothing about decoding or export formats.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 from accelerate.utils import set_seed
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
-from drafters.checkpoint import target_info
 from drafters.training.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.training.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
@@ -51,21 +48,16 @@ from drafters.decode.proposers.heads import TREE_FILE
 from drafters.training.recipe import RecipeError, run_main
 from drafters.targets import Target
 from drafters.training.loop import (
-    MetricsLog,
     Position,
     RunBase,
+    Summary,
+    fit,
     TrainRecipe,
     length_sorted_batches,
-    load_run_state,
     load_train_recipe,
-    lr_factor,
     pad_id,
-    plan_steps,
-    save_run_checkpoint,
     start_run,
     train_loader,
-    train_loop,
-    wandb_sink,
 )
 
 
@@ -101,17 +93,6 @@ class Recipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, 
     tree: TreeOptions = field(default_factory=TreeOptions)
 
 
-@dataclass
-class Summary:
-    steps: int
-    tokens: int
-    losses: list[float]  # total loss per optimizer step (main process)
-    eval: dict | None
-    checkpoint: Path
-    target: Target
-    drafter: MedusaHeads | BlockwiseHeads
-
-
 def main(argv: list[str]) -> Summary:
     if not argv:
         raise SystemExit("usage: python train/heads.py RECIPE.yaml [key=value ...]")
@@ -125,34 +106,12 @@ def main(argv: list[str]) -> Summary:
     say(f"heads: {recipe.drafter} drafter, {recipe.num_heads} heads, {trainable / 1e6:.2f}M trainable parameters "
         f"(target: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M, frozen)")
 
-    objective = HeadsObjective(drafter)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
-                                  weight_decay=recipe.optim.weight_decay)
     loader = train_loader(recipe, train_rows, pad_id(target))
-    sampler = loader.batch_sampler
-    objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
-    total_steps = plan_steps(recipe, len(loader))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
-    accelerator.register_for_checkpointing(scheduler)
     eval_batches = [collate(batch, pad_id(target)) for batch in length_sorted_batches(held_out, recipe.batch_size)]
     if not eval_batches:
         say("heads: no held-out rows (data.eval_rows / eval_fraction): no calibrated tree will be written")
-
-    output_dir = Path(recipe.output_dir)
-    step, position, resumed = 0, Position(), None
-    if resume is not None:
-        step, position, tokens = load_run_state(accelerator, resume, total_steps)
-        resumed = (step, tokens)
-        say(f"heads: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
-    run = Run(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
-    losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
-    result = run.evaluate(total_steps)
-    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
-    say(f"heads: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
-    if run.sink is not None:
-        run.sink.finish()
-    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target,
-                   accelerator.unwrap_model(objective).drafter)
+    return fit(recipe, accelerator, target, HeadsObjective(drafter), loader, eval_batches, train_rows, resume, Run,
+               "heads")
 
 
 def heads_problems(recipe: Recipe) -> list[str]:
@@ -240,23 +199,12 @@ def target_inputs(target: Target, batch: dict, dtype: torch.dtype, logits: bool)
 
 
 class Run(RunBase):
-    """The pieces of one training run that the loop, the evaluation and the saving share."""
-
-    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
-                 sampler, resumed: tuple[int, int] | None = None):
-        self.recipe, self.accelerator, self.target = recipe, accelerator, target
-        self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
-        self.train_rows, self.sampler = train_rows, sampler
-        self.drafter = accelerator.unwrap_model(objective).drafter
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.dtype = next(self.drafter.parameters()).dtype
-        self.lm_head = target.lm_head.weight.detach().to(self.dtype)  # (V, d) frozen, a copy in the heads' dtype
-        self.micro_index = 0 if resumed is None else resumed[0] * recipe.grad_accum  # picks sample_one's head
-        self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
-        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
-                              sink=self.sink)
-        self.tokens_total = self.log.tokens_total
-        if accelerator.is_main_process and resumed is None:
-            (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+        self.lm_head = self.target.lm_head.weight.detach().to(self.dtype)  # (V, d) frozen, a copy in the heads' dtype
+        resumed = args[8] if len(args) > 8 else kwargs.get("resumed")
+        self.micro_index = 0 if resumed is None else resumed[0] * self.recipe.grad_accum  # picks sample_one's head
 
     def micro_step(self, batch: dict, acc: dict | None) -> dict:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
@@ -276,33 +224,26 @@ class Run(RunBase):
         }
         return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
 
+    def checkpoint_extra(self, step: int, result: dict | None) -> dict:
+        # an evaluated checkpoint carries its calibrated tree (extra.tree and a copy in tree.json)
+        return {**super().checkpoint_extra(step, result), "tree": None if result is None else result["tree"]}
+
     def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
-        """checkpoint-final: the heads only; with a data position: resumable (trainer state too).
-        An evaluated checkpoint carries its calibrated tree (extra.tree and tree.json)."""
-        self.tokens_total = self.log.tokens_total
-        tree = None if result is None else result["tree"]
-        extra = {**self.checkpoint_extra(step, result), "tree": tree}
-        checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
-                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(), "extra": extra}
-        save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
-        if self.accelerator.is_main_process and tree is not None:  # a copy of extra.tree, for --tree static:
-            (path / TREE_FILE).write_text(json.dumps(tree["paths"]) + "\n")
+        super().save(path, step, result, position)
+        if self.accelerator.is_main_process and result is not None:  # a copy of extra.tree, for --tree static:
+            (path / TREE_FILE).write_text(json.dumps(result["tree"]["paths"]) + "\n")
         self.accelerator.wait_for_everyone()
         return path
 
-    def evaluate(self, step: int) -> dict | None:
-        result = None
-        if self.eval_batches and self.accelerator.is_main_process:
-            result = evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator, self.lm_head)
-            result["step"] = step
-            tqdm.write(format_eval(result))  # keeps the progress bar intact
-            with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(result) + "\n")
-            if self.sink is not None:  # scalars and per-head lists; the tree as its node count
-                scalars = {k: v for k, v in result.items() if k not in ("rank_acc", "tree")}
-                self.sink({**scalars, "tree_draft_nodes": result["tree"]["draft_nodes"]}, prefix="eval/")
-        self.accelerator.wait_for_everyone()
-        return result
+    def held_out(self) -> dict:
+        return evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator, self.lm_head)
+
+    def describe(self, result: dict) -> str:
+        return format_eval(result)
+
+    def logged(self, result: dict) -> dict:  # scalars and per-head lists; the tree as its node count
+        scalars = {k: v for k, v in result.items() if k not in ("rank_acc", "tree")}
+        return {**scalars, "tree_draft_nodes": result["tree"]["draft_nodes"]}
 
 
 # ---- held-out evaluation and tree calibration -----------------------------------------------------

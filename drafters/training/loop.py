@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Literal
@@ -34,6 +34,7 @@ from drafters.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
     step_checkpoints,
+    target_info,
 )
 from drafters.training.data import Example, build_examples, collate
 from drafters.files import data_sha256
@@ -559,10 +560,96 @@ def save_and_exit(run, step: int, position: Position, signal_name: str | None) -
                      f"resume_from={path} (or resume_from=latest)")
 
 
+@dataclass
+class Summary:
+    """What a training run returns (fit)."""
+
+    steps: int
+    tokens: int
+    losses: list[float]  # total loss per optimizer step (main process)
+    eval: dict | None
+    checkpoint: Path
+    target: Target
+    drafter: torch.nn.Module
+
+
+def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: list, train_rows, resume,
+        run_class, name: str) -> Summary:
+    """The part of every training script after its drafter and objective exist: AdamW on the drafter's
+    parameters, accelerate's prepare, the lr schedule, resume, train_loop, a last evaluation and
+    checkpoint-final. `run_class(recipe, accelerator, target, objective, eval_batches, output_dir,
+    train_rows, sampler, resumed)` is the family's RunBase subclass."""
+    say = accelerator.print
+    optimizer = torch.optim.AdamW(objective.drafter.parameters(), lr=recipe.optim.lr,
+                                  betas=tuple(recipe.optim.betas), weight_decay=recipe.optim.weight_decay)
+    sampler = loader.batch_sampler
+    objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
+    total_steps = plan_steps(recipe, len(loader))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
+    accelerator.register_for_checkpointing(scheduler)
+
+    output_dir = Path(recipe.output_dir)
+    step, position, resumed = 0, Position(), None
+    if resume is not None:
+        step, position, tokens = load_run_state(accelerator, resume, total_steps)
+        resumed = (step, tokens)
+        say(f"{name}: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
+    run = run_class(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
+    losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
+    result = run.evaluate(total_steps)
+    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
+    say(f"{name}: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
+    if run.sink is not None:
+        run.sink.finish()
+    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target, run.drafter)
+
+
 class RunBase:
-    """What train_loop asks of a training script's Run that is the same for every family. A
-    subclass sets recipe, accelerator, objective, output_dir, train_rows, sampler, and provides
-    micro_step, evaluate and save (drafters.training.loop.train_loop's docstring)."""
+    """The pieces of one training run that the loop, the evaluation and the saving share, the same for
+    every family. A subclass provides micro_step(batch, acc) (forward + backward of one micro-batch ->
+    summed metric tensors), held_out() -> the evaluation's metrics dict and describe(result) -> its
+    one-line summary (drafters.training.loop.train_loop's docstring)."""
+
+    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
+                 sampler, resumed: tuple[int, int] | None = None):
+        self.recipe, self.accelerator, self.target = recipe, accelerator, target
+        self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
+        self.train_rows, self.sampler = train_rows, sampler
+        self.drafter = accelerator.unwrap_model(objective).drafter
+        self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
+        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
+                              sink=self.sink)
+        self.tokens_total = self.log.tokens_total
+        if accelerator.is_main_process and resumed is None:
+            (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+
+    def evaluate(self, step: int) -> dict | None:
+        """Held-out metrics on the main process (None without held-out rows), appended to eval.jsonl."""
+        from tqdm import tqdm
+
+        result = None
+        if self.eval_batches and self.accelerator.is_main_process:
+            result = self.held_out()
+            result["step"] = step
+            tqdm.write(self.describe(result))  # keeps the progress bar intact
+            with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
+            if self.sink is not None:
+                self.sink(self.logged(result), prefix="eval/")
+        self.accelerator.wait_for_everyone()
+        return result
+
+    def logged(self, result: dict) -> dict:
+        """What of a held-out result goes to wandb (default: all of it)."""
+        return result
+
+    def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
+        """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
+        self.tokens_total = self.log.tokens_total
+        checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
+                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(),
+                      "extra": self.checkpoint_extra(step, result)}
+        return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
 
     def rows_of(self, passes: int, micro: int) -> str:
         # 'file:line, ...' of the rows in micro-batch `micro` (0-based) of pass `passes`, this process
