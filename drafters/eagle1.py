@@ -27,19 +27,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
 from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
 from drafters.eagle3 import (
-    shift_left,
     ttt_attention_mask,
     ttt_input_ids,
-    ttt_label_mask,
 )
-from drafters.losses import soft_cross_entropy
 
 FEATURES = ("pre_norm", "normed")
 
@@ -111,27 +107,6 @@ class Eagle1DecoderLayer(nn.Module):
         return x, (k, v)
 
 
-@dataclass
-class Eagle1Output:
-    loss: Tensor  # () feature_weight * feature_losses[0] + token_weight * token_losses[0]
-    feature_losses: Tensor  # (K,) SmoothL1 of chain step i: mean over h, averaged over its counted positions
-    token_losses: Tensor  # (K,) soft CE vs the target's distribution, averaged over counted positions
-    step_accuracies: Tensor  # (K,) top-1 of the drafter == target argmax, over counted positions
-    step_counts: Tensor  # (K,) counted (supervised) positions of each step
-    step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, V)
-
-    @property
-    def step_losses(self) -> Tensor:  # (2,) what metrics.jsonl logs as step_loss: [feature, token] of step 0
-        return torch.stack([self.feature_losses[0], self.token_losses[0]])
-
-
-def feature_loss(predicted: Tensor, target: Tensor) -> Tensor:
-    """predicted, target (M, h) at the counted positions -> () sum_m mean_d SmoothL1_beta=1 / max(M, 1)
-    (as the official trainer: SmoothL1 averaged over the hidden dims, then over counted positions)."""
-    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)  # (M,)
-    return per_position.sum() / max(per_position.numel(), 1)
-
-
 class Eagle1Drafter(nn.Module):
     """Verbs as EAGLE-3's: embed ids (the caller's frozen `embed`), project (fc over [embed; feature]),
     backbone (`layers.0`), compute logits (the attached frozen target head)."""
@@ -181,23 +156,20 @@ class Eagle1Drafter(nn.Module):
 
     # ---- training and held-out evaluation -------------------------------------------------------
 
-    def forward_chain(self, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 1,
-                      feature_weight: float = 1.0, token_weight: float = 0.1, noise: Tensor | None = None,
-                      return_logits: bool = False) -> Eagle1Output:
-        """Inputs aligned with the sequence the target read (right-padded, nothing pre-shifted):
-        features (B, T, h) the target's feature at t, input_ids (B, T), target_logits (B, T, V),
-        loss_mask (B, T) with loss_mask[s] = 1 iff token s is learnt.
-        Step 0 is EAGLE-1 training: position t reads (feature_t + noise_t, token_{t+1}) and is
-        scored against the target's row t+1 (feature_{t+1}; its logits predict token_{t+2}) where token
-        t+2 is supervised (loss_mask[t+2]). Steps i > 0 (held-out evaluation) are the self-fed chain the
+    def chain_unroll(self, features, input_ids, embed, steps: int, noise: Tensor | None = None):
+        """The self-fed chain, all positions at once. Inputs aligned with the sequence the target read
+        (right-padded, nothing pre-shifted): features (B, T, h) the target's feature at t, input_ids
+        (B, T). Yields (i, hidden (B, T, h) = predicted features) for steps i = 0 .. min(steps, T-1)-1.
+        Step 0 is EAGLE-1 training: position t reads (feature_t + noise_t, token_{t+1}) and predicts
+        feature_{t+1} (whose head gives token t+2). Steps i > 0 (held-out evaluation) are the chain the
         decoder drafts: position t reads its own step i-1 output as the feature and token_{t+1+i}, RoPE
-        position t+i, and is scored against row t+1+i where loss_mask[t+2+i]; it attends to step-0 keys
-        <= t and to its own earlier steps only (eagle3.ttt_attention_mask: what a KV cache sees).
-        The loss is that of step 0 only (the paper's objective)."""
+        position t+i, and attends to step-0 keys <= t and to its own earlier steps only
+        (eagle3.ttt_attention_mask: what a KV cache sees). The objective is
+        drafters.training.eagle1.chain_loss."""
         seq_len = input_ids.shape[1]
         positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
         hidden = features if noise is None else features + noise  # noise (B, T, h): augmentation, training only
-        keys, values, metrics, step_logits = [], [], [], []
+        keys, values = [], []
         for step in range(min(steps, seq_len - 1)):  # step i has labels at t = 0 .. T-2-i
             x = self.project(hidden, ttt_input_ids(input_ids, step), embed)  # (B, T, h), token_{t+1+i}
             past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
@@ -205,30 +177,7 @@ class Eagle1Drafter(nn.Module):
             hidden, (k, v) = self.backbone(x, positions + step, past, mask)  # (B, T, h) predicted features
             keys.append(k)
             values.append(v)
-            counted = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i): t -> loss_mask[t+2+i]
-            num_rows = counted.shape[1]
-            predicted = hidden[:, :num_rows][counted]  # (M, h)
-            target_feature = shift_left(features, 1 + step)[:, :num_rows][counted]  # (M, h) feature t+1+i
-            target_rows = target_logits[:, 1 + step:][counted]  # (M, V) the target's row t+1+i
-            if return_logits:
-                logits = self.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, V)
-                step_logits.append(logits)
-                counted_logits = logits[counted]
-            else:
-                counted_logits = self.compute_logits(predicted)  # (M, V): only counted rows hit the head
-            with torch.no_grad():
-                target_p = torch.softmax(target_rows.float(), dim=-1)  # (M, V)
-            everywhere = torch.ones(target_p.shape[0], dtype=torch.bool, device=target_p.device)  # (M,)
-            token_loss, accuracy, count = soft_cross_entropy(
-                counted_logits, target_p, everywhere, target_rows.argmax(-1), everywhere)
-            metrics.append((feature_loss(predicted, target_feature), token_loss, accuracy, count))
-        while len(metrics) < steps:  # rows too short for the later steps: nothing counted
-            zero = features.new_zeros((), dtype=torch.float32)
-            metrics.append((zero, zero, zero, zero.long()))
-        feature_losses, token_losses, accuracies, counts = (torch.stack(m) for m in zip(*metrics))
-        return Eagle1Output(loss=feature_weight * feature_losses[0] + token_weight * token_losses[0],
-                            feature_losses=feature_losses, token_losses=token_losses,
-                            step_accuracies=accuracies, step_counts=counts, step_logits=step_logits)
+            yield step, hidden
 
     # ---- inference: one step at a time with a real KV cache (drafters.decode.proposers.eagle) -------------
 

@@ -19,7 +19,6 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from drafters.draft_vocab import DraftVocab
 from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
-from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
 
@@ -116,15 +115,6 @@ def ttt_attention_mask(seq_len: int, step: int, device=None) -> Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-@dataclass
-class TTTOutput:
-    loss: Tensor  # () sum_i weight^i * loss_i
-    step_losses: Tensor  # (K,)
-    step_accuracies: Tensor  # (K,)
-    step_counts: Tensor  # (K,) positions counted in each step's loss
-    step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, Vd) at positions t = 0 .. T-2-i
-
-
 class Eagle3Drafter(nn.Module):
     """The four verbs (SpecForge v0.1): embed ids (the caller's `embed`: the target's frozen
     embedding), project hidden states (`fc`), backbone (`midlayer`), compute logits."""
@@ -177,72 +167,26 @@ class Eagle3Drafter(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))  # (B, T, h) -> (B, T, Vd)
 
-    def ttt_forward(self, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
-                    step_weight: float = 0.8, normalize: str = "positions",
-                    return_logits: bool = False) -> TTTOutput:
-        """Training-time test. All inputs are aligned with the sequence the target read (rows
-        right-padded, nothing pre-shifted): features (B, T, n*h) fused at positions t; input_ids
-        (B, T); target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised rows, so
-        the full (B, T, V) logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s is learnt.
-        normalize: "positions" = each step's loss sums over counted positions / (B*T), DESIGN's
-        "averaged over all positions" (official trainer, SpecForge); "counted" = mean over them.
-        return_logits keeps each step's draft logits in the output (tests; costs memory)."""
-        if normalize not in ("positions", "counted"):
-            raise ValueError(f"normalize={normalize!r}: use 'positions' or 'counted'")
-        batch, seq_len = input_ids.shape
+    def ttt_unroll(self, features, input_ids, embed, steps: int):
+        """Training-time test forward (docs/conventions.md). Inputs aligned with the sequence the target
+        read (rows right-padded, nothing pre-shifted): features (B, T, n*h) fused at positions t;
+        input_ids (B, T). Yields (i, hidden (B, T, h)) for steps i = 0 .. steps-1: step i reads, at
+        position t, its own output of step i-1 (fc(features) at i = 0) and token_{t+1+i}, at RoPE
+        position t+i, attending to the keys of steps 0 .. i under ttt_attention_mask; its row t drafts
+        token t+2+i (label: the target's row t+1+i, ttt_label_rows / ttt_label_mask). The objective
+        (drafters.training.eagle3.ttt_loss) scores each step as it comes."""
+        seq_len = input_ids.shape[1]
         positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
         hidden = self.project_hidden_states(features)  # step-0 hidden input (B, T, h)
-        # Only supervised positions are scored: norm + lm_head + soft CE run on their rows alone
-        # (prompt and padding rows are skipped). Every step's label row r = t+1+i is supervised iff
-        # loss_mask[r+1] = 1, the same rows at all steps, so the target side is computed once there.
-        rows, targets = self._supervised_targets(target_logits, loss_mask)
-        keys, values, metrics, step_logits = [], [], [], []
+        keys, values = [], []
         for step in range(steps):
-            # step i: hidden input = own output of step i-1 at t (fc(F) at i = 0), token_{t+1+i},
-            # RoPE position t+i; keys [step 0 .. step i] under ttt_attention_mask
             embeds = self.embed_ids(embed, ttt_input_ids(input_ids, step))  # (B, T, h)
             past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
             mask = ttt_attention_mask(seq_len, step, input_ids.device)  # (T, (i+1)T)
             hidden, (k, v) = self.backbone(embeds, hidden, positions + step, past, mask)
             keys.append(k)
             values.append(v)
-            label_rows = ttt_label_rows(rows, step)  # (B, T-1-i) index into targets, -1 = none
-            label_mask = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i)
-            counted = label_mask & (label_rows >= 0)  # supervised AND target argmax in vocab
-            counted_rows = label_rows[counted]  # (M,) M = counted positions of this step
-            num_rows = label_mask.shape[1]
-            target_p, argmax_draft = (t[counted_rows] for t in targets)  # (M, Vd), (M,)
-            num_positions = batch * seq_len if normalize == "positions" else None
-            if return_logits:  # tests: every position's logits, scored at the counted ones
-                logits = self.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, Vd)
-                step_logits.append(logits)
-                all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
-                metrics.append(soft_cross_entropy(logits[counted], target_p, all_counted, argmax_draft,
-                                                  all_counted, num_positions=num_positions))
-            else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
-                normed = self.norm(hidden[:, :num_rows][counted])  # (M, h)
-                metrics.append(linear_soft_cross_entropy(normed, self.lm_head.weight, target_p, argmax_draft,
-                                                         num_positions=num_positions))
-        step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
-        weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
-        return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
-                         step_accuracies=step_accuracies, step_counts=step_counts,
-                         step_logits=step_logits)
-
-    def _supervised_targets(self, target_logits: Tensor, loss_mask: Tensor
-                            ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """The target side of the loss, at the rows some TTT step scores: row r (label of step i
-        at t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the
-        draft vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
-            rows (B, T) long: index of row r into the two tensors below, -1 where never scored
-            target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
-        needed = shift_left(loss_mask, 1).bool()  # (B, T): row r -> loss_mask[r+1]
-        target_p, in_vocab, argmax_draft = draft_vocab_targets(
-            target_logits[needed], self.t2d, self.config.draft_vocab_size)  # (N', Vd), (N',) x2
-        scored = torch.zeros_like(needed)
-        scored[needed] = in_vocab  # (B, T)
-        rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
-        return rows, (target_p[in_vocab], argmax_draft[in_vocab])
+            yield step, hidden
 
     # ---- inference: the same computation one step at a time with a real KV cache -------------
 

@@ -126,8 +126,9 @@ def check_vllm_export(target, work: Path, venv: Path, corrupt=None) -> dict:
     fused = features(target, ids, drafter.config.aux_layers)
     T = ids.shape[1]
     with torch.no_grad():
-        ours = drafter.eval().ttt_forward(fused, ids, torch.zeros(1, T, target.vocab_size), torch.ones(1, T),
-                                          target.embed_tokens, steps=STEPS, return_logits=True).step_logits
+        # step i's draft logits at positions t = 0 .. T-2-i (what speculators' forward returns)
+        ours = [drafter.eval().compute_logits(hidden[:, :T - 1 - i])
+                for i, hidden in drafter.ttt_unroll(fused, ids, target.embed_tokens, STEPS)]
     save_file({"hidden_states": fused.contiguous(), "input_ids": shift_left(ids, 1),
                "position_ids": torch.arange(T)[None], "steps": torch.tensor(STEPS)}, work / "inputs.safetensors")
     run_consumer(venv, "consumer_speculators.py", "load", export, work / "inputs.safetensors", work / "speculators")

@@ -31,6 +31,7 @@ from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
+from drafters.training.eagle1 import chain_loss
 from test_sampling import chi_square_pvalue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def test_position_t_reads_feature_t_and_token_t_plus_1(hand_made):
     target, ids, loss_mask, features, logits = hand_made
     drafter, seen = new_drafter(target), []
     drafter.fc.register_forward_hook(lambda module, args, out: seen.append(args[0]))
-    drafter.forward_chain(features, ids, logits, loss_mask, target.embed_tokens)
+    chain_loss(drafter, features, ids, logits, loss_mask, target.embed_tokens)
     h, fc_input = target.hidden_size, seen[0]  # (1, T, 2h) = cat(embed, feature), the official order
     for t in range(ids.shape[1] - 1):
         torch.testing.assert_close(fc_input[0, t, :h], target.embed_tokens(ids[0, t + 1]), atol=0, rtol=0)
@@ -114,7 +115,7 @@ def test_position_t_is_scored_against_feature_and_logits_of_t_plus_1(hand_made):
 
     def score(predicted):
         drafter = oracle(new_drafter(target), predicted)
-        return drafter.forward_chain(features, ids, logits, loss_mask, target.embed_tokens, feature_weight=1.0,
+        return chain_loss(drafter, features, ids, logits, loss_mask, target.embed_tokens, feature_weight=1.0,
                                      token_weight=0.1)
 
     right = score(shift_left(features, 1))  # outputs the target's feature_{t+1} at t
@@ -142,10 +143,10 @@ def test_frozen_head_is_the_targets_head(request, name, feature):
 
 @torch.no_grad()
 def test_self_fed_chain_equals_drafting_with_a_kv_cache(hand_made):
-    # step i of forward_chain at position t == the drafter stepped by hand on its own predicted features
+    # step i of chain_loss at position t == the drafter stepped by hand on its own predicted features
     target, ids, loss_mask, features, logits = hand_made
     drafter, embed, steps = new_drafter(target).eval(), target.embed_tokens, 4
-    out = drafter.forward_chain(features, ids, logits, loss_mask, embed, steps=steps, return_logits=True)
+    out = chain_loss(drafter, features, ids, logits, loss_mask, embed, steps=steps, return_logits=True)
     for t in (0, 5, ids.shape[1] - 1 - steps):
         cache = DraftKVCache()
         hidden, step_logits = drafter.prefill(features[:, :t + 1], ids[:, 1:t + 2], embed, cache)
@@ -254,7 +255,7 @@ def train_drafter(target, sequences, feature, steps=150):
         features, logits = feature_of(target, sequences, feature)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
-        loss = drafter.forward_chain(features, sequences, logits, loss_mask, target.embed_tokens).loss
+        loss = chain_loss(drafter, features, sequences, logits, loss_mask, target.embed_tokens).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -14,6 +14,7 @@ from drafters.eagle3 import (
     ttt_label_rows,
 )
 from drafters.losses import soft_cross_entropy_draft_vocab
+from drafters.training.eagle3 import ttt_loss
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],
@@ -84,7 +85,7 @@ def test_ttt_equals_step_by_step_decoding_with_kv_cache(setup):
     model, drafter, features, input_ids, logits, loss_mask = setup
     embed = model.get_input_embeddings()
     with torch.no_grad():
-        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=STEPS,
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
                                   return_logits=True)
         seq_len = input_ids.shape[1]
         for t in (0, 3, seq_len // 2, seq_len - 1 - STEPS):
@@ -95,14 +96,14 @@ def test_ttt_equals_step_by_step_decoding_with_kv_cache(setup):
 
 
 def test_fused_lm_head_loss_equals_the_logits_path(setup):
-    # ttt_forward's training path fuses the LM head into the soft CE (drafters.losses.linear_soft_cross_entropy);
+    # ttt_loss's training path fuses the LM head into the soft CE (drafters.losses.linear_soft_cross_entropy);
     # return_logits=True builds every step's logits and scores them unfused: same losses and gradients
     model, drafter, features, input_ids, logits, loss_mask = setup
     embed = model.get_input_embeddings()
     results = []
     for return_logits in (True, False):
         drafter.zero_grad()
-        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=STEPS,
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
                                   return_logits=return_logits)
         out.loss.backward()
         results.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
@@ -133,7 +134,7 @@ def test_decoding_comparison_catches_a_wrong_ttt_mask(setup, wrong_mask, monkeyp
     monkeypatch.setattr(eagle3, "ttt_attention_mask", wrong_mask)
     t = input_ids.shape[1] // 2
     with torch.no_grad():
-        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=STEPS,
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
                                   return_logits=True)
         reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
     torch.testing.assert_close(out.step_logits[0][:, t], reference[0], atol=1e-5, rtol=0)
@@ -167,7 +168,7 @@ def test_ttt_losses_equal_hand_aligned_decoding_losses(tiny_llama, normalize):
     drafter = make_drafter(model, input_ids, loss_mask)
     embed, (batch, seq_len), steps = model.get_input_embeddings(), input_ids.shape, 3
     with torch.no_grad():
-        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=steps,
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=steps,
                                   normalize=normalize, return_logits=True)
         totals, counts = torch.zeros(steps), torch.zeros(steps)
         for t in range(seq_len - 2):
@@ -256,7 +257,7 @@ def test_training_reproduces_golden_losses_and_leaves_target_untouched(tiny_llam
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for _ in range(6):
-        out = drafter.ttt_forward(features, input_ids, logits, loss_mask, embed, steps=3)
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=3)
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()

@@ -22,6 +22,7 @@ from drafters.decode.proposers.eagle import load_eagle_proposer
 from drafters.decode.sampling import SamplingConfig
 from drafters.targets import Target, TargetFeatures
 from drafters.tiny import build_tiny_target
+from drafters.training.eagle3 import ttt_loss
 
 VOCAB, PROMPT, NEW = 259, 12, 30
 TREES = ["chain:4", "static:eagle1", "dynamic:total=12,depth=4,topk=4"]
@@ -57,7 +58,7 @@ def train_drafter(target, sequences, steps=100) -> Eagle3Drafter:
     features = fuse_features(out.hidden_states, config.aux_layers)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
-        loss = drafter.ttt_forward(features, sequences, out.logits, loss_mask, target.embed_tokens, steps=3).loss
+        loss = ttt_loss(drafter, features, sequences, out.logits, loss_mask, target.embed_tokens, steps=3).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -182,7 +182,7 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     from drafters.training.data import build_examples, collate
     from drafters.training.features import features_header, offline_batches, write_features
     from drafters.draft_vocab import build_draft_vocab
-    from drafters.training.eagle3 import EagleRecipe, build_eagle3_drafter, target_inputs_fn
+    from drafters.training.eagle3 import ttt_loss, EagleRecipe, build_eagle3_drafter, target_inputs_fn
     from drafters.training.loop import pad_id
     from drafters.training.recipe import load_recipe
 
@@ -203,7 +203,7 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
                           (offline_batch, target_inputs_fn(recipe, target, drafter))):
         features, labels = inputs(batch)
         drafter.zero_grad()
-        out = drafter.ttt_forward(features, batch["input_ids"], labels, batch["loss_mask"], target.embed_tokens,
+        out = ttt_loss(drafter, features, batch["input_ids"], labels, batch["loss_mask"], target.embed_tokens,
                                   steps=recipe.ttt_steps)
         out.loss.backward()
         losses.append(out.step_losses.detach())

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, Eagle1Output, FrozenHead
+from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.eagle3 import shift_left, ttt_label_mask
+from drafters.losses import soft_cross_entropy
 
 
 @dataclass
@@ -57,8 +60,65 @@ def build_eagle1_drafter(recipe, target) -> Eagle1Drafter:
     return drafter.attach_head(FrozenHead.from_target(target, config.feature))
 
 
+@dataclass
+class Eagle1Output:
+    loss: Tensor  # () feature_weight * feature_losses[0] + token_weight * token_losses[0]
+    feature_losses: Tensor  # (K,) SmoothL1 of chain step i: mean over h, averaged over its counted positions
+    token_losses: Tensor  # (K,) soft CE vs the target's distribution, averaged over counted positions
+    step_accuracies: Tensor  # (K,) top-1 of the drafter == target argmax, over counted positions
+    step_counts: Tensor  # (K,) counted (supervised) positions of each step
+    step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, V)
+
+    @property
+    def step_losses(self) -> Tensor:  # (2,) what metrics.jsonl logs as step_loss: [feature, token] of step 0
+        return torch.stack([self.feature_losses[0], self.token_losses[0]])
+
+
+def feature_loss(predicted: Tensor, target: Tensor) -> Tensor:
+    """predicted, target (M, h) at the counted positions -> () sum_m mean_d SmoothL1_beta=1 / max(M, 1)
+    (as the official trainer: SmoothL1 averaged over the hidden dims, then over counted positions)."""
+    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)  # (M,)
+    return per_position.sum() / max(per_position.numel(), 1)
+
+
+def chain_loss(drafter: Eagle1Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 1,
+               feature_weight: float = 1.0, token_weight: float = 0.1, noise: Tensor | None = None,
+               return_logits: bool = False) -> Eagle1Output:
+    """The EAGLE-1 objective on drafter.chain_unroll's steps. target_logits (B, T, V); loss_mask (B, T) with
+    loss_mask[s] = 1 iff token s is learnt. Step i at position t is scored against the target's row t+1+i
+    (feature_{t+1+i}; its logits predict token t+2+i) where loss_mask[t+2+i]: SmoothL1 on the feature and
+    soft CE against the target's distribution. The loss is that of step 0 only (the paper's objective);
+    later steps are the held-out chain's metrics."""
+    metrics, step_logits = [], []
+    for step, hidden in drafter.chain_unroll(features, input_ids, embed, steps, noise):
+        counted = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i): t -> loss_mask[t+2+i]
+        num_rows = counted.shape[1]
+        predicted = hidden[:, :num_rows][counted]  # (M, h)
+        target_feature = shift_left(features, 1 + step)[:, :num_rows][counted]  # (M, h) feature t+1+i
+        target_rows = target_logits[:, 1 + step:][counted]  # (M, V) the target's row t+1+i
+        if return_logits:
+            logits = drafter.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, V)
+            step_logits.append(logits)
+            counted_logits = logits[counted]
+        else:
+            counted_logits = drafter.compute_logits(predicted)  # (M, V): only counted rows hit the head
+        with torch.no_grad():
+            target_p = torch.softmax(target_rows.float(), dim=-1)  # (M, V)
+        everywhere = torch.ones(target_p.shape[0], dtype=torch.bool, device=target_p.device)  # (M,)
+        token_loss, accuracy, count = soft_cross_entropy(
+            counted_logits, target_p, everywhere, target_rows.argmax(-1), everywhere)
+        metrics.append((feature_loss(predicted, target_feature), token_loss, accuracy, count))
+    while len(metrics) < steps:  # rows too short for the later steps: nothing counted
+        zero = features.new_zeros((), dtype=torch.float32)
+        metrics.append((zero, zero, zero, zero.long()))
+    feature_losses, token_losses, accuracies, counts = (torch.stack(m) for m in zip(*metrics))
+    return Eagle1Output(loss=feature_weight * feature_losses[0] + token_weight * token_losses[0],
+                        feature_losses=feature_losses, token_losses=token_losses,
+                        step_accuracies=accuracies, step_counts=counts, step_logits=step_logits)
+
+
 class Eagle1Objective(nn.Module):
-    """What accelerate prepares: step 0 of `drafter.forward_chain` (the EAGLE-1 loss) on one batch, with
+    """What accelerate prepares: step 0 of `chain_loss` (the EAGLE-1 loss) on one batch, with
     U(-a, a) noise on the input features while training (a = eagle1.noise). Same call signature as
     Eagle3Objective. The noise has its own generator (seeded by the recipe's seed) whose state is a buffer
     of this module, so accelerate's save_state / load_state carry it: a resumed run draws the noise an
@@ -72,8 +132,8 @@ class Eagle1Objective(nn.Module):
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> Eagle1Output:
         o = self.options
         noise = self.draw_noise(features) if self.training and o.noise else None
-        return self.drafter.forward_chain(features, input_ids, target_logits, loss_mask, embed, steps=1,
-                                          feature_weight=o.feature_weight, token_weight=o.token_weight, noise=noise)
+        return chain_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, steps=1,
+                          feature_weight=o.feature_weight, token_weight=o.token_weight, noise=noise)
 
     def draw_noise(self, features: Tensor) -> Tensor:
         generator = torch.Generator()
@@ -126,7 +186,7 @@ def evaluate_eagle1(drafter: Eagle1Drafter, inputs, embed, batches: list[dict], 
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         features, target_logits = inputs(batch)
         with accelerator.autocast():
-            out = drafter.forward_chain(features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
+            out = chain_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
                                         steps=steps, feature_weight=o.feature_weight, token_weight=o.token_weight)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts

@@ -10,13 +10,20 @@ from functools import partial
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle1 import FrozenHead
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, TTTOutput, fuse_features, ttt_label_mask
+from drafters.eagle3 import (
+    Eagle3Config,
+    Eagle3Drafter,
+    fuse_features,
+    shift_left,
+    ttt_label_mask,
+    ttt_label_rows,
+)
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
-from drafters.losses import LabelLogits
+from drafters.losses import LabelLogits, draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.targets import Target
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1, eagle1_inputs_fn
 from drafters.training.loop import TrainRecipe
@@ -60,6 +67,72 @@ def build_eagle3_drafter(recipe: EagleRecipe, target: Target, vocab: DraftVocab)
     return drafter
 
 
+@dataclass
+class TTTOutput:
+    loss: Tensor  # () sum_i weight^i * loss_i
+    step_losses: Tensor  # (K,)
+    step_accuracies: Tensor  # (K,)
+    step_counts: Tensor  # (K,) positions counted in each step's loss
+    step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, Vd) at positions t = 0 .. T-2-i
+
+
+def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
+             step_weight: float = 0.8, normalize: str = "positions", return_logits: bool = False) -> TTTOutput:
+    """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K steps, each scored by the soft
+    cross-entropy against the target's distribution renormalised over the draft vocabulary, weighted
+    step_weight^i. target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised
+    rows, so the full (B, T, V) logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
+    is learnt. normalize: "positions" = each step's loss sums over counted positions / (B*T), the
+    official trainer's and SpecForge's "averaged over all positions"; "counted" = mean over them.
+    return_logits keeps each step's draft logits in the output (tests; costs memory)."""
+    if normalize not in ("positions", "counted"):
+        raise ValueError(f"normalize={normalize!r}: use 'positions' or 'counted'")
+    batch, seq_len = input_ids.shape
+    # Only supervised positions are scored: norm + lm_head + soft CE run on their rows alone (prompt and
+    # padding rows are skipped). Every step's label row r = t+1+i is supervised iff loss_mask[r+1] = 1,
+    # the same rows at all steps, so the target side is computed once there.
+    rows, targets = supervised_targets(drafter, target_logits, loss_mask)
+    num_positions = batch * seq_len if normalize == "positions" else None
+    metrics, step_logits = [], []
+    for step, hidden in drafter.ttt_unroll(features, input_ids, embed, steps):
+        label_rows = ttt_label_rows(rows, step)  # (B, T-1-i) index into targets, -1 = none
+        label_mask = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i)
+        counted = label_mask & (label_rows >= 0)  # supervised AND target argmax in vocab
+        counted_rows = label_rows[counted]  # (M,) M = counted positions of this step
+        num_rows = label_mask.shape[1]
+        target_p, argmax_draft = (t[counted_rows] for t in targets)  # (M, Vd), (M,)
+        if return_logits:  # tests: every position's logits, scored at the counted ones
+            logits = drafter.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, Vd)
+            step_logits.append(logits)
+            all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
+            metrics.append(soft_cross_entropy(logits[counted], target_p, all_counted, argmax_draft,
+                                              all_counted, num_positions=num_positions))
+        else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
+            normed = drafter.norm(hidden[:, :num_rows][counted])  # (M, h)
+            metrics.append(linear_soft_cross_entropy(normed, drafter.lm_head.weight, target_p, argmax_draft,
+                                                     num_positions=num_positions))
+    step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
+    weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
+    return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
+                     step_accuracies=step_accuracies, step_counts=step_counts, step_logits=step_logits)
+
+
+def supervised_targets(drafter: Eagle3Drafter, target_logits, loss_mask: Tensor
+                       ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """The target side of the loss, at the rows some TTT step scores: row r (label of step i at
+    t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
+    vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
+        rows (B, T) long: index of row r into the two tensors below, -1 where never scored
+        target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
+    needed = shift_left(loss_mask, 1).bool()  # (B, T): row r -> loss_mask[r+1]
+    target_p, in_vocab, argmax_draft = draft_vocab_targets(
+        target_logits[needed], drafter.t2d, drafter.config.draft_vocab_size)  # (N', Vd), (N',) x2
+    scored = torch.zeros_like(needed)
+    scored[needed] = in_vocab  # (B, T)
+    rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
+    return rows, (target_p[in_vocab], argmax_draft[in_vocab])
+
+
 class Eagle3Objective(nn.Module):
     """What accelerate prepares (DDP syncs gradients through forward): the training-time test of
     `drafter` on one batch. The target stays outside; its features and embedding are arguments."""
@@ -69,8 +142,8 @@ class Eagle3Objective(nn.Module):
         self.drafter, self.steps, self.step_weight = drafter, steps, step_weight
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
-        return self.drafter.ttt_forward(features, input_ids, target_logits, loss_mask, embed,
-                                        steps=self.steps, step_weight=self.step_weight)
+        return ttt_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed,
+                        steps=self.steps, step_weight=self.step_weight)
 
 
 def target_inputs_fn(recipe: EagleRecipe, target: Target, drafter):
@@ -119,8 +192,8 @@ def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], 
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         features, target_logits = inputs(batch)  # online or offline, as in training
         with accelerator.autocast():
-            out = drafter.ttt_forward(features, batch["input_ids"], target_logits, batch["loss_mask"],
-                                      embed, steps=steps, step_weight=recipe.step_weight)
+            out = ttt_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"],
+                           embed, steps=steps, step_weight=recipe.step_weight)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])
