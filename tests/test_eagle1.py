@@ -179,6 +179,7 @@ def test_reproduces_golden_losses(run):
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # step_loss = [feature SmoothL1, token soft CE]; loss = 1.0 * feature + 0.1 * token
         assert len(row["step_loss"]) == 2 and len(row["step_acc"]) == 1
+        assert row["step_loss_is"] == "feature, token"
         assert row["loss"] == pytest.approx(row["step_loss"][0] + 0.1 * row["step_loss"][1], rel=1e-5)
 
 

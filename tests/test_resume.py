@@ -90,7 +90,7 @@ def test_non_finite_loss_stops_with_the_step_rows_and_last_good_checkpoint(tmp_p
         acc = micro_step(self, batch, acc)
         calls["n"] += 1
         if calls["n"] == 7:  # grad_accum 2: the 7th micro-batch ends step 4
-            acc["loss"] = acc["loss"] * float("nan")
+            acc.loss = acc.loss * float("nan")
         return acc
 
     monkeypatch.setattr(eagle.Run, "micro_step", poisoned)

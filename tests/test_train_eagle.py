@@ -93,7 +93,7 @@ def test_metrics_have_one_row_per_step(run):
     rows = read_jsonl(output_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for row in rows:
-        assert len(row["step_loss"]) == len(row["step_acc"]) == TTT_STEPS
+        assert len(row["step_loss"]) == len(row["step_acc"]) == TTT_STEPS and row["step_loss_is"] == "per TTT step"
         assert all(0 <= a <= 1 for a in row["step_acc"])
         weighted = sum(0.8 ** i * loss for i, loss in enumerate(row["step_loss"]))
         assert row["loss"] == pytest.approx(weighted, rel=1e-5)

@@ -105,6 +105,7 @@ def test_metrics_have_per_head_lists(run):
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for row in rows:
         assert len(row["step_loss"]) == len(row["step_acc"]) == len(row["step_acc_top5"]) == K
+        assert row["step_loss_is"] == "per head"
         assert all(0 <= a <= b <= 1 for a, b in zip(row["step_acc"], row["step_acc_top5"]))
         assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and math.isfinite(row["grad_norm"])
         if family == "medusa":  # sum_k 0.8^k CE_k

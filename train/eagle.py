@@ -43,6 +43,7 @@ from drafters.training.eagle3 import (
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.training.loop import (
     RunBase,
+    StepMetrics,
     Summary,
     fit,
     length_sorted_batches,
@@ -95,25 +96,23 @@ def main(argv: list[str]) -> Summary:
 
 
 class Run(RunBase):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, recipe, *args, **kwargs):
+        # EAGLE-3: one loss per TTT step; EAGLE-1: [feature SmoothL1, token soft CE] of step 0
+        self.step_loss_is = "per TTT step" if recipe.drafter == "eagle3" else "feature, token"
+        super().__init__(recipe, *args, **kwargs)
         self.inputs = target_inputs_fn(self.recipe, self.target, self.drafter)  # batch -> (features, labels)
 
-    def micro_step(self, batch: dict, acc: dict | None) -> dict:
+    def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
         features, target_logits = self.inputs(batch)
         out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
                              self.target.embed_tokens)
         self.accelerator.backward(out.loss / self.recipe.grad_accum)
         scale = 1.0 / self.recipe.grad_accum
-        metrics = {
-            "loss": out.loss.detach() * scale,
-            "step_losses": out.step_losses.detach() * scale,
-            "correct": out.step_accuracies * out.step_counts,  # (K,) correct top-1 per step
-            "counted": out.step_counts,
-            "tokens": batch["attention_mask"].sum(),  # real tokens, no padding
-        }
-        return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
+        metrics = StepMetrics(loss=out.loss.detach() * scale, parts=out.step_losses.detach() * scale,
+                              correct=out.step_accuracies * out.step_counts,  # (K,) correct top-1 per step
+                              counted=out.step_counts, tokens=batch["attention_mask"].sum())
+        return metrics if acc is None else acc + metrics
 
     def held_out(self) -> dict:
         held_out = evaluate_eagle1 if self.recipe.drafter == "eagle1" else evaluate_eagle3

@@ -50,6 +50,7 @@ from drafters.targets import Target
 from drafters.training.loop import (
     Position,
     RunBase,
+    StepMetrics,
     Summary,
     fit,
     TrainRecipe,
@@ -199,6 +200,8 @@ def target_inputs(target: Target, batch: dict, dtype: torch.dtype, logits: bool)
 
 
 class Run(RunBase):
+    step_loss_is = "per head"
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.dtype = next(self.drafter.parameters()).dtype
@@ -206,7 +209,7 @@ class Run(RunBase):
         resumed = args[8] if len(args) > 8 else kwargs.get("resumed")
         self.micro_index = 0 if resumed is None else resumed[0] * self.recipe.grad_accum  # picks sample_one's head
 
-    def micro_step(self, batch: dict, acc: dict | None) -> dict:
+    def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
         hidden, teacher = target_inputs(self.target, batch, self.dtype, logits=self.recipe.distill)
         weights = loss_weights(self.recipe, self.micro_index)
@@ -214,15 +217,11 @@ class Run(RunBase):
         out = self.objective(hidden, batch["input_ids"], batch["loss_mask"], self.lm_head, weights, teacher)
         self.accelerator.backward(out.loss / self.recipe.grad_accum)
         scale = 1.0 / self.recipe.grad_accum
-        metrics = {
-            "loss": out.loss.detach() * scale,
-            "step_losses": out.head_losses * scale,  # (K,) per head; 0 for a head sample_one skipped
-            "correct": out.correct,  # (K,) top-1 == label
-            "correct_top5": out.correct_top5,  # (K,) label in the top-5
-            "counted": out.counts,
-            "tokens": batch["attention_mask"].sum(),  # real tokens, no padding
-        }
-        return metrics if acc is None else {k: acc[k] + v for k, v in metrics.items()}
+        metrics = StepMetrics(loss=out.loss.detach() * scale,
+                              parts=out.head_losses * scale,  # (K,) per head; 0 for a head sample_one skipped
+                              correct=out.correct, counted=out.counts, tokens=batch["attention_mask"].sum(),
+                              correct_top5=out.correct_top5)  # (K,) label in the top-5
+        return metrics if acc is None else acc + metrics
 
     def checkpoint_extra(self, step: int, result: dict | None) -> dict:
         # an evaluated checkpoint carries its calibrated tree (extra.tree and a copy in tree.json)

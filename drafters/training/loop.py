@@ -336,13 +336,39 @@ def lr_factor(optim: Optim, total_steps: int, step: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass
+class StepMetrics:
+    """The training metrics of one micro-batch, or of the micro-batches of one optimizer step summed
+    (`+`), as tensors: nothing leaves the device until MetricsLog flushes. K = the family's loss parts
+    (RunBase.step_loss_is names them in metrics.jsonl).
+        loss ()                    the objective / grad_accum
+        parts (K,)                 its parts / grad_accum: metrics.jsonl's step_loss
+        correct (K,), counted (K,) top-1 hits and counted positions: step_acc = correct / counted
+        tokens ()                  real (non-pad) tokens of the micro-batch
+        correct_top5 (K,) or None  hits in the top-5 (multi-head drafters): step_acc_top5"""
+
+    loss: Tensor
+    parts: Tensor
+    correct: Tensor
+    counted: Tensor
+    tokens: Tensor
+    correct_top5: Tensor | None = None
+
+    def __add__(self, other: "StepMetrics") -> "StepMetrics":
+        top5 = None if self.correct_top5 is None else self.correct_top5 + other.correct_top5
+        return StepMetrics(self.loss + other.loss, self.parts + other.parts, self.correct + other.correct,
+                           self.counted + other.counted, self.tokens + other.tokens, top5)
+
+
 class MetricsLog:
     """Per-step metric tensors, written to metrics.jsonl at flushes: one host sync per flush."""
 
-    def __init__(self, path: Path, write: bool, resume: tuple[int, int] | None = None, sink=None):
+    def __init__(self, path: Path, write: bool, resume: tuple[int, int] | None = None, sink=None,
+                 step_loss_is: str = ""):
         # resume = (step, tokens) of the checkpoint a run resumes from: rows up to that step are
         # kept (a killed run may have logged later steps, which the resumed run logs again)
         self.path, self.write, self.pending, self.losses, self.sink = path, write, [], [], sink
+        self.step_loss_is = step_loss_is
         self.tokens_total, self.window_start, self.start = 0, time.perf_counter(), time.perf_counter()
         kept = []
         if resume is not None:
@@ -354,7 +380,7 @@ class MetricsLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(row + "\n" for row in kept))
 
-    def add(self, step: int, acc: dict, grad_norm: Tensor, lr: float) -> None:
+    def add(self, step: int, acc: StepMetrics, grad_norm: Tensor, lr: float) -> None:
         self.pending.append((step, lr, acc, torch.as_tensor(grad_norm).detach().float()))
 
     def flush(self, reduce_sum, processes: int = 1) -> str:
@@ -362,10 +388,11 @@ class MetricsLog:
         reduce_sum sums a tensor over processes: tokens and accuracy counts are totals over all
         processes, losses their mean (each process's is the mean over its micro-batches), so a
         multi-process run logs the curve of the single-process run with the same global batch."""
-        tokens = reduce_sum(torch.stack([acc["tokens"] for _, _, acc, _ in self.pending]))
-        stacked = {k: (reduce_sum(torch.stack([acc[k].float() for _, _, acc, _ in self.pending]))
-                       / (processes if k in ("loss", "step_losses") else 1)).tolist()
-                   for k in ("loss", "step_losses", "correct", "counted", "correct_top5") if k in self.pending[0][2]}
+        tokens = reduce_sum(torch.stack([acc.tokens for _, _, acc, _ in self.pending]))
+        stacked = {k: (reduce_sum(torch.stack([getattr(acc, k).float() for _, _, acc, _ in self.pending]))
+                       / (processes if k in ("loss", "parts") else 1)).tolist()
+                   for k in ("loss", "parts", "correct", "counted", "correct_top5")
+                   if getattr(self.pending[0][2], k) is not None}
         grad_norms = torch.stack([g.to(tokens.device) for *_, g in self.pending]).tolist()
         tokens = tokens.tolist()
         now = time.perf_counter()
@@ -373,8 +400,8 @@ class MetricsLog:
         rows = []
         for i, (step, lr, _, _) in enumerate(self.pending):
             accuracy = [c / max(n, 1) for c, n in zip(stacked["correct"][i], stacked["counted"][i])]
-            rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["step_losses"][i],
-                         "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
+            rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["parts"][i],
+                         "step_loss_is": self.step_loss_is, "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
                          "tokens_per_s": rate, "elapsed_s": now - self.start, "peak_rss_gb": peak_rss_gb()})
             if "correct_top5" in stacked:  # multi-head drafters (train/heads.py): label in the top-5, per head
                 rows[-1]["step_acc_top5"] = [c / max(n, 1) for c, n in zip(stacked["correct_top5"][i],
@@ -523,7 +550,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                     acc = run.micro_step(batch, acc)
                 if not last_micro:
                     continue
-                check_finite(acc["loss"], step + 1, run, passes, micro, recipe.grad_accum)
+                check_finite(acc.loss, step + 1, run, passes, micro, recipe.grad_accum)
                 if clip_value is not None:  # elementwise, before the norm clip (the official EAGLE setting)
                     accelerator.clip_grad_value_(objective.parameters(), clip_value)
                 grad_norm = accelerator.clip_grad_norm_(objective.parameters(), max_norm)
@@ -608,7 +635,10 @@ class RunBase:
     """The pieces of one training run that the loop, the evaluation and the saving share, the same for
     every family. A subclass provides micro_step(batch, acc) (forward + backward of one micro-batch ->
     summed metric tensors), held_out() -> the evaluation's metrics dict and describe(result) -> its
-    one-line summary (drafters.training.loop.train_loop's docstring)."""
+    one-line summary (drafters.training.loop.train_loop's docstring), and step_loss_is: what its
+    StepMetrics.parts are, written into every metrics.jsonl row."""
+
+    step_loss_is = ""
 
     def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
                  sampler, resumed: tuple[int, int] | None = None):
@@ -618,7 +648,7 @@ class RunBase:
         self.drafter = accelerator.unwrap_model(objective).drafter
         self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
         self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
-                              sink=self.sink)
+                              sink=self.sink, step_loss_is=self.step_loss_is)
         self.tokens_total = self.log.tokens_total
         if accelerator.is_main_process and resumed is None:
             (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
