@@ -61,12 +61,12 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(one, tmp
 def test_two_process_deepspeed_zero2_on_cpu_matches_one_process(one, tmp_path):
     pytest.importorskip("deepspeed", reason="pip install -e .[test] installs deepspeed")
     two = tmp_path / "zero2"
-    # what `accelerate launch --config_file recipes/accelerate/zero2.yaml` sets, on a CPU (gloo)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true",
-           "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "train/eagle.py", *COMMON, f"output_dir={two}",
-                           "grad_accum=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # the launch line of recipes/accelerate/zero2_cpu2.yaml, so the config file users copy is what runs
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "recipes/accelerate/zero2_cpu2.yaml", "--main_process_port", str(free_port()),
+                           "train/eagle.py", *COMMON, f"output_dir={two}", "grad_accum=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 process(es), DEEPSPEED" in done.stdout
     a = load_file(one / "checkpoint-final" / "model.safetensors")
