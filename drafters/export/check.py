@@ -8,6 +8,20 @@ its own name mapping and compares draft logits with the source checkpoint on fix
 
 It deliberately shares no key table, name mapping or helper with `drafters.export.dispatch`: a bug in the
 writer must not be able to hide itself here. It knows nothing about how the files were written.
+
+Drafters written by other tools load through the same reader (`read_eagle3_export`, the decoder's
+loader for exported directories), so it accepts what those tools write, and no more:
+- both spellings of the Llama fields: transformers 4.x `rope_theta` / `rope_scaling` /
+  `torch_dtype` and 5.x `rope_parameters` / `dtype` (SpecForge under 5.x writes both rope
+  spellings; where a config holds both they must agree);
+- LlamaConfig's defaults for the fields old configs leave out (`head_dim` = hidden_size /
+  num_attention_heads, `num_key_value_heads` = num_attention_heads, `rope_theta` 10000.0, no
+  scaling): what transformers and the engines apply, said in one note, never silently;
+- no auxiliary layer ids (SpecForge writes `eagle_config` only when its user gave one; speculators
+  before 0.5 wrote none): the ids the serving engine then captures, [2, L//2, L-3] as HF
+  hidden_states indices in SGLang and vLLM alike, said in one note (which ids, which convention,
+  why); the proposer option `aux_layers=` (HF indices) overrides it. Our own exports always record
+  them: `check_export` still requires them.
 """
 
 import json
@@ -58,21 +72,30 @@ def check_export(path, fmt: str, *, target: dict | None = None,
     path = Path(path)
     if fmt == "native":
         return _check_native(path, target, reference, seed)
-    rebuilt_config, module_state, written, float_dtype = read_eagle3_export(path, fmt, target=target)
+    rebuilt_config, module_state, written, float_dtype = read_eagle3_export(path, fmt, target=target,
+                                                                            engine_defaults=False)
     diffs = _compare(rebuilt_config, module_state, reference, path, seed, float_dtype)
     return CheckReport(path, fmt, "eagle3", rebuilt_config.aux_layers, written, str(float_dtype),
                        len(module_state), *diffs)
 
 
-def read_eagle3_export(path, fmt: str, *, target: dict | None = None):
+def read_eagle3_export(path, fmt: str, *, target: dict | None = None, aux_layers: list[int] | None = None,
+                       engine_defaults: bool = True, notes: list[str] | None = None):
     """Reads and validates an sglang / vllm export -> (Eagle3Config with aux layers as HF
-    indices, state dict in Eagle3Drafter names, layer ids as written, float dtype). Also how
-    exported drafters (ours or another trainer's) are loaded to draft in the decoder."""
+    indices, state dict in Eagle3Drafter names, layer ids as written (None: not recorded), float
+    dtype). Also how exported drafters (ours or another trainer's) are loaded to draft in the
+    decoder. Without recorded layer ids (engine_defaults) the engine's default is used, which
+    needs `target` (its layer count), unless `aux_layers` (HF indices) is given; `notes` receives
+    one line per default applied, for the caller to say."""
     path = Path(path)
     if fmt not in READERS:
         raise ExportCheckError(f"unknown export format {fmt!r}: sglang, vllm or native")
     config = _read_json(path / "config.json")
-    geometry, aux_hf, written = READERS[fmt](config, path / "config.json")
+    said = []
+    geometry, aux_hf, written = READERS[fmt](config, path / "config.json", said)
+    if aux_hf is None and not engine_defaults:  # our exports always record them
+        raise ExportCheckError(f"{path / 'config.json'}: required field {ENGINE[fmt].field!r} is missing")
+    aux_hf = _resolve_aux_layers(aux_hf, written, aux_layers, fmt, target, path / "config.json", said)
     tensors = _read_tensors(path / "model.safetensors")
     prefix = {"sglang": "midlayer.", "vllm": "layers.0."}[fmt]
     # speculators saves the verifier's embedding beside the drafter (vLLM then uses it instead
@@ -81,12 +104,76 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None):
     if embedding is not None and tuple(embedding.shape) != (geometry["vocab_size"], geometry["hidden_size"]):
         raise ExportCheckError(f"{path}: {EMBEDDING} {tuple(embedding.shape)} is not (vocab_size, hidden_size)")
     float_dtype = _check_tensors(tensors, geometry, len(aux_hf), prefix, path,
-                                 config_dtype=geometry.pop("torch_dtype"))
+                                 stated_dtype=geometry.pop("torch_dtype"))
     if target is not None:
         _check_against_target(geometry, aux_hf, target, path, engine=True)
     module_state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v
                     for k, v in tensors.items()}
+    if notes is not None:
+        notes += said
     return Eagle3Config(**geometry, aux_layers=aux_hf), module_state, written, float_dtype
+
+
+# ---- auxiliary layers an export does not record: the engine's default -------------------------
+
+@dataclass(frozen=True)
+class EngineLayers:
+    engine: str
+    field: str  # where the layout records the ids
+    convention: str  # what its ids mean
+    offset: int  # recorded id = HF hidden_states index + offset
+    why: str  # who leaves the field out
+
+
+ENGINE = {
+    "sglang": EngineLayers("SGLang", "eagle_config", 'SGLang "output of layer" ids', -1,
+                           "SpecForge writes it only when its user gave one"),
+    "vllm": EngineLayers("vLLM", "eagle_aux_hidden_state_layer_ids", "vLLM layer ids", 0,
+                         "speculators before 0.5 wrote none"),
+}
+
+
+def engine_default_layers(num_layers: int) -> list[int]:
+    """What SGLang (`set_eagle3_layers_to_capture(None)`) and vLLM (`get_eagle3_aux_hidden_state_
+    layers`) capture when the drafter names no layers: the inputs of decoder layers 2, L//2 and
+    L-3, i.e. HF hidden_states indices [2, L//2, L-3] (SGLang "output of layer" ids [1, L//2-1,
+    L-4]). The engines' rule, written out here rather than taken from our trainer's default."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def _resolve_aux_layers(recorded: list[int] | None, written: list[int] | None, option: list[int] | None,
+                        fmt: str, target: dict | None, where: Path, notes: list[str]) -> list[int]:
+    engine = ENGINE[fmt]
+    if option is not None:
+        option = list(option)
+        if not option or not all(isinstance(i, int) and not isinstance(i, bool) for i in option):
+            raise ExportCheckError(f"aux_layers={option}: want HF hidden_states indices, e.g. 2,15,27")
+    if recorded is not None:
+        if option is not None and option != recorded:
+            raise ExportCheckError(
+                f"{where}: records auxiliary layers {engine.field} {written} ({engine.convention}) = HF "
+                f"hidden_states {recorded}, but the aux_layers option says {option}: a drafter drafts only "
+                "from the layers it was trained on; drop the option")
+        return recorded
+    default = engine_default_layers(target["num_layers"]) if target is not None else None
+
+    def in_engine(ids):
+        return [i + engine.offset for i in ids]
+
+    if option is not None:
+        notes.append(f"{where}: no {engine.field}: drafting from HF hidden_states indices {option} "
+                     f"({engine.convention} {in_engine(option)}), given by the aux_layers option"
+                     + (f", not {engine.engine}'s default {default}" if default not in (None, option) else ""))
+        return option
+    if default is None:
+        raise ExportCheckError(f"{where}: no {engine.field} ({engine.why}) and no target given: "
+                               f"{engine.engine}'s default auxiliary layers depend on the target's layer count")
+    rule = "[1, L//2-1, L-4]" if engine.offset == -1 else "[2, L//2, L-3]"
+    notes.append(f"{where}: no {engine.field} ({engine.why}): drafting from the layers {engine.engine} captures "
+                 f"by default for this {target['num_layers']}-layer target, {engine.convention} "
+                 f"{in_engine(default)} (= {rule}), i.e. HF hidden_states indices {default}; override with the "
+                 "proposer option DIR:aux_layers=A,B,C (HF hidden_states indices)")
+    return default
 
 
 EMBEDDING = "embed_tokens.weight"
@@ -134,23 +221,28 @@ def _int_list(config: dict, key: str, where: str) -> list[int]:
     return value
 
 
-def _layer_geometry(config: dict, where: str) -> dict:
+def _layer_geometry(config: dict, where: str, notes: list[str]) -> dict:
     """Fields of the one Llama decoder layer (top level for sglang, transformer_layer_config for
     vllm) as Eagle3Config keyword arguments."""
     _get(config, "model_type", str, where, equals="llama")
     _get(config, "num_hidden_layers", int, where, equals=1)
     _get(config, "tie_word_embeddings", bool, where, equals=False)
     geometry = {key: _get(config, key, int, where) for key in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "max_position_embeddings")}
+        "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
+        "max_position_embeddings")}
+    defaults = []
     geometry.update(
+        num_key_value_heads=llama_default(config, "num_key_value_heads", geometry["num_attention_heads"],
+                                          "LlamaConfig: = num_attention_heads", where, defaults),
+        head_dim=llama_default(config, "head_dim", geometry["hidden_size"] // geometry["num_attention_heads"],
+                               "LlamaConfig: = hidden_size / num_attention_heads", where, defaults),
         rms_norm_eps=_get(config, "rms_norm_eps", float, where),
-        **_rope(config, where),
+        **rope_fields(config, where, defaults),
         hidden_act=_get(config, "hidden_act", str, where),
-        # transformers 5.x writes `dtype` (speculators: top level only); then the weights decide
-        torch_dtype=_get(config, "torch_dtype" if "torch_dtype" in config else "dtype", str, where)
-        if {"torch_dtype", "dtype"} & set(config) else None,
+        # None: neither spelling (speculators writes `dtype` at its top level only); the weights decide
+        torch_dtype=config_dtype(config, where),
     )
+    note_defaults(defaults, where, notes)
     if any(kind != "full_attention" for kind in config.get("layer_types") or ()):
         raise ExportCheckError(f"{where}: layer_types {config['layer_types']}: a sliding-window "
                                "draft layer (speculators' training default) is not this "
@@ -161,17 +253,78 @@ def _layer_geometry(config: dict, where: str) -> dict:
     return geometry
 
 
-def _rope(config: dict, where: str) -> dict:
-    """rope_theta / rope_scaling (what we write; transformers 4.x names) or transformers 5.x
-    rope_parameters {rope_type, rope_theta, ...} (what speculators' saves hold)."""
-    if "rope_theta" in config or "rope_parameters" not in config:
-        return {"rope_theta": float(_get(config, "rope_theta", (int, float), where)),
-                "rope_scaling": _get(config, "rope_scaling", (dict, type(None)), where)}
-    rope = dict(_get(config, "rope_parameters", dict, where))
-    theta = _get(rope, "rope_theta", (int, float), f"{where} rope_parameters")
-    del rope["rope_theta"]
-    return {"rope_theta": float(theta),
-            "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None}
+# ---- Llama fields in transformers 4.x and 5.x spellings, and LlamaConfig's defaults -------------
+# Also read by the EAGLE-1 reader (drafters.export_eagle1): both layouts hold a one-layer LlamaConfig.
+
+LLAMA_ROPE_THETA = 10000.0  # LlamaConfig's default base, in transformers 4.x and 5.x alike
+
+
+def llama_default(config: dict, key: str, default: int, rule: str, where: str, defaults: list[str]) -> int:
+    """An int field LlamaConfig derives when it is absent (head_dim, num_key_value_heads)."""
+    if config.get(key) is not None:
+        return _get(config, key, int, where)
+    defaults.append(f"{key} {default} ({rule})")
+    return default
+
+
+def note_defaults(defaults: list[str], where: str, notes: list[str]) -> None:
+    if defaults:
+        notes.append(f"{where}: not recorded, so the defaults its loaders apply: {'; '.join(defaults)}")
+
+
+def rope_fields(config: dict, where: str, defaults: list[str]) -> dict:
+    """-> {rope_theta, rope_scaling} from either spelling: transformers 4.x `rope_theta` +
+    `rope_scaling` (null, or {rope_type (before 4.45: type), factor, ...}) or 5.x `rope_parameters`
+    {rope_type, rope_theta, ...}. A config holding both (SpecForge under 5.x keeps `rope_theta`
+    beside `rope_parameters`) must say the same in both. Neither: LlamaConfig's base 10000.0 and
+    no scaling (the EAGLE repository's Llama-2 configs), appended to `defaults`."""
+    theta = scaling = None
+    if config.get("rope_theta") is not None:
+        theta = float(_get(config, "rope_theta", (int, float), where))
+    if config.get("rope_scaling") is not None:
+        scaling = _scaling(_get(config, "rope_scaling", dict, where), f"{where} rope_scaling")
+    if config.get("rope_parameters") is not None:
+        rope = dict(_get(config, "rope_parameters", dict, where))
+        inner = f"{where} rope_parameters"
+        if "rope_theta" not in rope:  # per layer type (Gemma-3 style): a Llama draft layer has one
+            raise ExportCheckError(f"{inner}: {sorted(rope)} holds no rope_theta; want {{rope_type, "
+                                   "rope_theta, ...}} for the drafter's one layer")
+        new_theta = float(_get(rope, "rope_theta", (int, float), inner))
+        del rope["rope_theta"]
+        new_scaling = _scaling(rope, inner)
+        if theta is not None and theta != new_theta:
+            raise ExportCheckError(f"{where}: rope_theta = {theta} but rope_parameters.rope_theta = "
+                                   f"{new_theta}: the transformers 4.x and 5.x spellings disagree")
+        if "rope_scaling" in config and scaling != new_scaling:
+            raise ExportCheckError(f"{where}: rope_scaling = {config['rope_scaling']} but rope_parameters "
+                                   f"= {config['rope_parameters']}: the transformers 4.x and 5.x spellings "
+                                   "disagree")
+        theta, scaling = new_theta, new_scaling
+    if theta is None:
+        theta = LLAMA_ROPE_THETA
+        defaults.append(f"rope_theta {theta} (LlamaConfig's)")
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _scaling(rope: dict, where: str) -> dict | None:
+    # the scaling parameters without the base; rope_type "default" (or none given) = no scaling = None
+    rope = dict(rope)
+    if "type" in rope:  # transformers 4.x before 4.45 named it type
+        kind = rope.pop("type")
+        if rope.setdefault("rope_type", kind) != kind:
+            raise ExportCheckError(f"{where}: type {kind!r} and rope_type {rope['rope_type']!r} disagree")
+    return rope if rope.get("rope_type", "default") != "default" else None
+
+
+def config_dtype(config: dict, where: str) -> str | None:
+    """The weights' dtype as the config states it: `torch_dtype` (transformers 4.x) or `dtype` (5.x);
+    both must agree; None when neither is there (then the weights decide)."""
+    found = {key: _get(config, key, str, where) for key in ("torch_dtype", "dtype")
+             if config.get(key) is not None}
+    if len(set(found.values())) > 1:
+        raise ExportCheckError(f"{where}: torch_dtype = {found['torch_dtype']!r} but dtype = "
+                               f"{found['dtype']!r}: the transformers 4.x and 5.x spellings disagree")
+    return next(iter(found.values()), None)
 
 
 # EAGLE-3.1 options (speculators' training defaults norm_before_fc and norm_output): engines read
@@ -187,23 +340,31 @@ def _refuse_options(config: dict, where: str) -> None:
                                "it cannot draft with this checkpoint")
 
 
-def _read_sglang(config: dict, where) -> tuple[dict, list[int], list[int]]:
+def _read_sglang(config: dict, where, notes: list[str]) -> tuple[dict, list[int] | None, list[int] | None]:
     where = str(where)
     _get(config, "architectures", list, where, equals=["LlamaForCausalLMEagle3"])
-    geometry = _layer_geometry(config, where)
+    geometry = _layer_geometry(config, where, notes)
     geometry["draft_vocab_size"] = _get(config, "draft_vocab_size", int, where)
     if "target_hidden_size" in config:  # optional for SGLang; fc in_features = 3 * it
         _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
-    eagle = _get(config, "eagle_config", dict, where)
     _refuse_options(config, where)
+    # SGLang reads eagle_config.get(...) when there is one: no eagle_config, or one without ids,
+    # leaves the ids to the engine's default (resolved by read_eagle3_export)
+    eagle = config.get("eagle_config")
+    if eagle is None:
+        return geometry, None, None
+    eagle = _get(config, "eagle_config", dict, where)
     _refuse_options(eagle, f"{where} eagle_config")
-    _get(eagle, "use_aux_hidden_state", bool, f"{where} eagle_config", equals=True)
+    if eagle.get("use_aux_hidden_state", True) is not True:  # SGLang's default: True
+        _get(eagle, "use_aux_hidden_state", bool, f"{where} eagle_config", equals=True)
+    if eagle.get("eagle_aux_hidden_state_layer_ids") is None:
+        return geometry, None, None
     ids = _int_list(eagle, "eagle_aux_hidden_state_layer_ids", f"{where} eagle_config")
     # SGLang "output of layer" ids: it captures the input of layer id+1 = HF index id+1
     return geometry, [i + 1 for i in ids], ids
 
 
-def _read_vllm(config: dict, where) -> tuple[dict, list[int], list[int]]:
+def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] | None, list[int] | None]:
     where = str(where)
     # ours: the config class's default name; speculators' own saves: the model class's name
     if _get(config, "architectures", list, where) not in (["Eagle3Speculator"], ["Eagle3DraftModel"]):
@@ -213,16 +374,24 @@ def _read_vllm(config: dict, where) -> tuple[dict, list[int], list[int]]:
     _refuse_options(config, where)
     _get(config, "speculators_version", str, where)
     layer = _get(config, "transformer_layer_config", dict, where)
-    geometry = _layer_geometry(layer, f"{where} transformer_layer_config")
+    geometry = _layer_geometry(layer, f"{where} transformer_layer_config", notes)
+    top_dtype = config_dtype(config, where)  # speculators under transformers 5.x: here only
+    if geometry["torch_dtype"] is None:
+        geometry["torch_dtype"] = top_dtype
+    elif top_dtype not in (None, geometry["torch_dtype"]):
+        raise ExportCheckError(f"{where}: dtype {top_dtype!r} at the top level but "
+                               f"{geometry['torch_dtype']!r} in transformer_layer_config")
     geometry["draft_vocab_size"] = _get(config, "draft_vocab_size", int, where)
     # vLLM defaults a missing norm_before_residual to True; this drafter's residual is the
     # un-normed hidden input, i.e. False
     _get(config, "norm_before_residual", bool, where, equals=False)
     if config.get("target_hidden_size", 0) is not None:  # speculators writes null: = hidden_size
         _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
-    ids = _int_list(config, "eagle_aux_hidden_state_layer_ids", where)
     _check_speculators_config(_get(config, "speculators_config", dict, where),
                               f"{where} speculators_config")
+    if config.get("eagle_aux_hidden_state_layer_ids") is None:  # vLLM: then the model's default
+        return geometry, None, None
+    ids = _int_list(config, "eagle_aux_hidden_state_layer_ids", where)
     return geometry, list(ids), ids  # vLLM captures the input of layer id = HF index id
 
 
@@ -297,7 +466,7 @@ def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
 
 
 def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path,
-                   config_dtype: str | None) -> torch.dtype:
+                   stated_dtype: str | None) -> torch.dtype:
     check_finite(tensors, where)
     shapes = expected_shapes(g, num_aux, layer)
     missing = sorted(set(shapes) - set(tensors))
@@ -313,13 +482,14 @@ def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path
         raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got "
                                f"{tensors['d2t'].dtype} / {tensors['t2d'].dtype}")
     floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    # float16: what the EAGLE repository's checkpoints hold (our writer writes fp32 or bf16)
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if len(floats) != 1 or not floats <= set(wanted.values()):
-        raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16, "
-                               f"got {sorted(map(str, floats))}")
+        raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16 (or all "
+                               f"float16, as the EAGLE repository's), got {sorted(map(str, floats))}")
     dtype = floats.pop()
-    if config_dtype is not None and wanted.get(config_dtype) != dtype:
-        raise ExportCheckError(f"{where}: config says torch_dtype {config_dtype!r} but the "
+    if stated_dtype is not None and wanted.get(stated_dtype) != dtype:
+        raise ExportCheckError(f"{where}: config says torch_dtype {stated_dtype!r} but the "
                                f"weights are {dtype}")
     _check_vocab_maps(tensors["d2t"], tensors["t2d"], where)
     return dtype

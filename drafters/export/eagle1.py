@@ -38,7 +38,8 @@ from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.layers import DraftKVCache
 from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
                              exported_files, load_source, write_staged)
-from drafters.export.check import CheckReport, ExportCheckError, check_finite
+from drafters.export.check import (CheckReport, ExportCheckError, check_finite, config_dtype, llama_default,
+                                   note_defaults, rope_fields)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -128,28 +129,44 @@ def official_config(c: Eagle1Config, dtype: str) -> dict:
 # ---- independent reader ----------------------------------------------------------------------------
 
 
-def read_eagle1_export(path, *, target: dict | None = None) -> tuple[Eagle1Config, dict, torch.dtype]:
+# the official layout names the plain Llama class; SGLang's loader wants its EAGLE class (same files)
+ARCHITECTURES = (["LlamaForCausalLM"], ["LlamaForCausalLMEagle"])
+
+
+def read_eagle1_export(path, *, target: dict | None = None,
+                       notes: list[str] | None = None) -> tuple[Eagle1Config, dict, torch.dtype]:
     """Reads and validates an official-layout EAGLE-1 export -> (Eagle1Config with feature "normed", the
-    official layout's meaning; state dict in Eagle1Drafter names; float dtype)."""
+    official layout's meaning; state dict in Eagle1Drafter names; float dtype). Either transformers
+    spelling of the Llama fields is read (drafters.export_check.rope_fields, config_dtype); fields the
+    EAGLE repository's configs leave out take the defaults its loader and LlamaConfig apply, one line
+    about them appended to `notes`."""
     path = Path(path)
     config = _read_json(path / CONFIG_FILE)
     where = str(path / CONFIG_FILE)
-    _field(config, "architectures", list, where, equals=["LlamaForCausalLM"])
+    if _field(config, "architectures", list, where) not in ARCHITECTURES:
+        raise ExportCheckError(f"{where}: field 'architectures' = {config['architectures']!r}, the format "
+                               f"requires one of {list(ARCHITECTURES)}")
     _field(config, "model_type", str, where, equals="llama")
     _field(config, "num_hidden_layers", int, where, equals=1)
-    _field(config, "bias", bool, where, equals=True)
+    defaults = []
+    if "bias" in config:  # the EAGLE repository's loader: `bias = con["bias"]`, absent -> True
+        _field(config, "bias", bool, where, equals=True)
+    else:
+        defaults.append("bias true (the EAGLE repository's loader: fc has a bias)")
     _field(config, "tie_word_embeddings", bool, where, equals=False)
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag, False) is not False:
             raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter's layer has no biases")
     g = {key: _field(config, key, int, where) for key in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-        "max_position_embeddings")}
+        "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "max_position_embeddings")}
+    g["num_key_value_heads"] = llama_default(config, "num_key_value_heads", g["num_attention_heads"],
+                                             "LlamaConfig: = num_attention_heads", where, defaults)
+    g["head_dim"] = llama_default(config, "head_dim", g["hidden_size"] // g["num_attention_heads"],
+                                  "LlamaConfig: = hidden_size / num_attention_heads", where, defaults)
     c = Eagle1Config(**g, rms_norm_eps=_field(config, "rms_norm_eps", float, where),
-                     rope_theta=float(_field(config, "rope_theta", (int, float), where)),
-                     rope_scaling=_field(config, "rope_scaling", (dict, type(None)), where),
+                     **rope_fields(config, where, defaults),
                      hidden_act=_field(config, "hidden_act", str, where), feature="normed")
-    config_dtype = _field(config, "torch_dtype", str, where)
+    stated_dtype = config_dtype(config, where)
     if target is not None:
         for key in ("hidden_size", "vocab_size", "max_position_embeddings"):
             if g[key] != target.get(key):
@@ -157,7 +174,10 @@ def read_eagle1_export(path, *, target: dict | None = None) -> tuple[Eagle1Confi
                                        "drafter would run with lost acceptance")
     tensors = _read_tensors(path / WEIGHTS_FILE)
     check_finite(tensors, path / WEIGHTS_FILE)
-    return c, tensors, _check_tensors(tensors, g, config_dtype, path / WEIGHTS_FILE)
+    dtype = _check_tensors(tensors, g, stated_dtype, path / WEIGHTS_FILE)
+    if notes is not None:
+        note_defaults(defaults, where, notes)
+    return c, tensors, dtype
 
 
 def expected_shapes(g: dict) -> dict[str, tuple[int, ...]]:
@@ -235,7 +255,7 @@ def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
         raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
 
 
-def _check_tensors(tensors: dict, g: dict, config_dtype: str, where: Path) -> torch.dtype:
+def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path) -> torch.dtype:
     shapes = expected_shapes(g)
     missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
     if missing or unexpected:
@@ -244,12 +264,15 @@ def _check_tensors(tensors: dict, g: dict, config_dtype: str, where: Path) -> to
     wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
     if wrong:
         raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
-    floats, wanted = {v.dtype for v in tensors.values()}, {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    # float16: what the EAGLE repository's checkpoints hold (our writer writes fp32 or bf16)
+    floats = {v.dtype for v in tensors.values()}
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if len(floats) != 1 or not floats <= set(wanted.values()):
-        raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16, got {sorted(map(str, floats))}")
+        raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16 (or all float16, as the EAGLE "
+                               f"repository's), got {sorted(map(str, floats))}")
     dtype = floats.pop()
-    if wanted.get(config_dtype) != dtype:
-        raise ExportCheckError(f"{where}: config.json says torch_dtype {config_dtype!r} but the weights are {dtype}")
+    if stated_dtype is not None and wanted.get(stated_dtype) != dtype:
+        raise ExportCheckError(f"{where}: config.json says torch_dtype {stated_dtype!r} but the weights are {dtype}")
     return dtype
 
 

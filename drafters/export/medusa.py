@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
                              exported_files, load_source, write_staged)
-from drafters.export.check import ExportCheckError, check_finite
+from drafters.export.check import ExportCheckError, check_finite, config_dtype
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.registry import load_drafter
 
@@ -200,9 +200,12 @@ def read_medusa_export(path, *, target: dict | None = None) -> tuple[MedusaConfi
         raise MedusaExportError(f"{where}: shapes (hidden {d}, vocab {V}) or dtypes wrong: {wrong[:6]}, "
                                 f"dtypes {sorted(map(str, dtypes))} (want one float dtype)")
     dtype = next(iter(dtypes))
-    if config.get("torch_dtype") not in (None, str(dtype).removeprefix("torch.")):
-        raise MedusaExportError(f"{path / CONFIG_FILE}: torch_dtype {config['torch_dtype']!r} but the tensors are "
-                                f"{dtype}")
+    try:  # torch_dtype (transformers 4.x) or dtype (5.x: MedusaConfig saved by a 5.x PretrainedConfig)
+        stated = config_dtype(config, str(path / CONFIG_FILE))
+    except ExportCheckError as error:
+        raise MedusaExportError(str(error)) from None
+    if stated not in (None, str(dtype).removeprefix("torch.")):
+        raise MedusaExportError(f"{path / CONFIG_FILE}: torch_dtype {stated!r} but the tensors are {dtype}")
     state = {f"heads.{k}.blocks.{j}.linear.{p}": tensors[f"{k}.{j}.linear.{p}"]
              for k in range(K) for j in range(n) for p in ("weight", "bias")}
     state |= {} if share else {f"heads.{k}.lm_head.weight": tensors[f"{k}.{n}.weight"] for k in range(K)}
