@@ -63,6 +63,7 @@ class EagleProposer:
         self.used = drafter.draft_vocab.used.to(device)  # (Vd,) draft id -> target id
         self.generator = torch.Generator(device).manual_seed(seed)  # sampled drafts only
         self.cache, self.length, self.last = DraftKVCache(), 0, None
+        self.notes: list[str] = []  # how the drafter's files were read (defaults applied), for reports
 
     # ------------------------------------------------------------ committed pairs
 
@@ -196,15 +197,21 @@ def eagle3_proposer(config: Eagle3Config, state: dict, target, tree_spec: str | 
 
 
 def eagle3_export_loader(fmt: str):
-    """-> load(path, config, target, tree) for an sglang / vllm EAGLE-3 export: ours, or one written
-    by another trainer (SpecForge, speculators), so its tau can be measured here. The files are read
-    and validated by the independent export reader; layer ids come back as HF indices."""
+    """-> load(path, config, target, tree, aux_layers=None) for an sglang / vllm EAGLE-3 export: ours,
+    or one written by another trainer (SpecForge, speculators, the EAGLE repository), so its tau can
+    be measured here. The files are read and validated by the independent export reader; layer ids
+    come back as HF indices. A config without layer ids drafts from the engine's default layers, or
+    from `aux_layers` (HF indices); `proposer.notes` says which (the lines the caller prints)."""
     from drafters.checkpoint import target_info
     from drafters.export.check import export_embedding, read_eagle3_export
 
-    def load(path, config: dict, target, tree_spec) -> EagleProposer:
-        eagle_config, state, _, _ = read_eagle3_export(path, fmt, target=target_info(target))
+    def load(path, config: dict, target, tree_spec, *, aux_layers: list[int] | None = None) -> EagleProposer:
+        notes = []
+        eagle_config, state, _, _ = read_eagle3_export(path, fmt, target=target_info(target), aux_layers=aux_layers,
+                                                       notes=notes)
         embed = export_embedding(path) if fmt == "vllm" else None  # speculators saves one
-        return eagle3_proposer(eagle_config, state, target, tree_spec, path, embed=embed)
+        proposer = eagle3_proposer(eagle_config, state, target, tree_spec, path, embed=embed)
+        proposer.notes = notes
+        return proposer
 
     return load

@@ -45,10 +45,14 @@ def eagle1_proposer(config: Eagle1Config, state: dict, target, tree_spec: str | 
 
 
 def eagle1_export_loader(path, config: dict, target, tree_spec) -> EagleProposer:
-    """An official-layout EAGLE-1 export (ours or the official trainer's, safetensors), read and validated by
-    the independent reader of drafters.export.eagle1: normed features, the target's head and embedding."""
+    """An official-layout EAGLE-1 export (ours or the EAGLE repository's, safetensors), read and validated by
+    the independent reader of drafters.export.eagle1: normed features, the target's head and embedding.
+    `proposer.notes`: the defaults the reader applied to fields the config leaves out."""
     from drafters.checkpoint import target_info
     from drafters.export.eagle1 import read_eagle1_export
 
-    eagle1_config, state, _ = read_eagle1_export(path, target=target_info(target))
-    return eagle1_proposer(eagle1_config, state, target, tree_spec, path)
+    notes = []
+    eagle1_config, state, _ = read_eagle1_export(path, target=target_info(target), notes=notes)
+    proposer = eagle1_proposer(eagle1_config, state, target, tree_spec, path)
+    proposer.notes = notes
+    return proposer

@@ -4,7 +4,11 @@ Specs:
   prompt-lookup[:max_ngram=3,min_ngram=1]   n-gram lookup in the context (no model)
   draft-model:<target name or path>         a smaller LM sharing the target's tokenizer
   <directory>                               a trained drafter checkpoint: native (drafter.json,
-                                            drafters.checkpoint) or exported (config.json)
+                                            drafters.checkpoint) or exported (config.json), ours or
+                                            another tool's (SpecForge, speculators, EAGLE, Medusa)
+  <directory>:aux_layers=A,B,C              an EAGLE-3 drafter whose config records no auxiliary layers
+                                            drafts from these (HF hidden_states indices) instead of
+                                            the serving engine's default; refused where it records others
   <directory>+prompt-lookup[:options]       the drafter's tree plus one prompt-lookup continuation as
                                             deep as the tree, verified together (greedy only)
 
@@ -31,7 +35,8 @@ from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
 from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
-                  "<drafter checkpoint directory>", "<drafter directory>+prompt-lookup[:options]")
+                  "<drafter checkpoint directory>[:aux_layers=A,B,C]", "<drafter directory>+prompt-lookup[:options]")
+DRAFTER_OPTIONS = ("aux_layers",)  # DIR:option=value: see split_drafter_spec
 # Trained drafters register here, one entry per family (EAGLE-1, Medusa, Blockwise to come):
 # native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
 # match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
@@ -42,13 +47,17 @@ FAMILY_LOADERS: dict[str, Callable] = {
     "blockwise": heads_proposer_from_checkpoint,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
-# load(path, config, target, tree) -> proposer); recorded target fields are checked before.
+# load(path, config, target, tree) -> proposer); recorded target fields are checked before. EAGLE-3
+# loaders also take aux_layers= (the proposer option).
 CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
     "sglang-eagle3": (lambda c: c.get("architectures") == ["LlamaForCausalLMEagle3"], eagle3_export_loader("sglang")),
     "vllm-eagle3": (lambda c: c.get("speculators_model_type") == "eagle3", eagle3_export_loader("vllm")),
     "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
-    "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("bias") is True, eagle1_export_loader),
+    # the EAGLE repository's configs may leave `bias` out (its loader then builds fc with one)
+    "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("architectures") in (
+        ["LlamaForCausalLM"], ["LlamaForCausalLMEagle"]) and "draft_vocab_size" not in c, eagle1_export_loader),
 }
+EAGLE3_FORMATS = ("sglang-eagle3", "vllm-eagle3")
 
 
 def load_proposer(spec: str, target, tree: TreeSpec):
@@ -62,17 +71,47 @@ def load_proposer(spec: str, target, tree: TreeSpec):
         if not arg:
             raise ValueError("proposer 'draft-model' needs a model: draft-model:<target name or path>")
         return _draft_model(arg, target, tree)
-    if Path(spec).is_dir():
-        return load_checkpoint(Path(spec), target, tree)
+    path, options = split_drafter_spec(spec)
+    if path.is_dir():
+        return load_checkpoint(path, target, tree, **options)
     raise ValueError(f"unknown proposer {spec!r}: use one of {', '.join(PROPOSER_SPECS)} "
                      f"(registered names: {', '.join(sorted(PROPOSERS))})")
+
+
+def split_drafter_spec(spec: str) -> tuple[Path, dict]:
+    """DIR or DIR:aux_layers=A,B,C -> (DIR, {"aux_layers": [A, B, C]}). A value runs on over commas
+    up to the next `name=`. Anything else (a named proposer, a directory whose own name holds ':')
+    comes back whole, without options."""
+    path, _, arg = spec.rpartition(":")
+    if Path(spec).is_dir() or not path or not Path(path).is_dir():
+        return Path(spec), {}
+    options, key = {}, None
+    for item in arg.split(","):
+        name, eq, value = item.partition("=")
+        if eq:
+            key = name
+            if key not in DRAFTER_OPTIONS:
+                raise ValueError(f"drafter option {item!r} in {spec!r}: known options: {', '.join(DRAFTER_OPTIONS)} "
+                                 "(e.g. DIR:aux_layers=2,15,27)")
+            options[key] = [value]
+        elif key is not None:
+            options[key].append(item)
+        else:
+            raise ValueError(f"drafter options {arg!r} in {spec!r}: expected name=value, e.g. aux_layers=2,15,27")
+    if "aux_layers" in options:
+        values = options["aux_layers"]
+        if not all(v.strip().isdigit() for v in values):
+            raise ValueError(f"aux_layers={','.join(values)} in {spec!r}: want HF hidden_states indices, e.g. "
+                             "aux_layers=2,15,27")
+        options["aux_layers"] = [int(v) for v in values]
+    return Path(path), options
 
 
 def proposer_sha256(spec: str) -> str | None:
     """Content of a drafter directory (its top-level .json and .safetensors files): what a cached or
     merged result must agree on, since a checkpoint can change under the same path. None for a
     named proposer (prompt-lookup, draft-model:...)."""
-    path = Path(spec)
+    path, _ = split_drafter_spec(spec)
     if not path.is_dir():
         return None
     names = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
@@ -100,7 +139,9 @@ def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
 def _hybrid(drafter, lookup_options: str, target, tree: TreeSpec) -> HybridProposer:
     # one lookup continuation as deep as the tree (at most tree_depth nodes more to verify per round)
     lookup = _prompt_lookup(lookup_options, target, ChainSpec(tree.depth))
-    return HybridProposer(drafter, lookup, max_lookup_nodes=tree.depth)
+    hybrid = HybridProposer(drafter, lookup, max_lookup_nodes=tree.depth)
+    hybrid.notes = getattr(drafter, "notes", [])  # how the drafter's files were read
+    return hybrid
 
 
 def _draft_model(name: str, target, tree: TreeSpec) -> DraftModelProposer:
@@ -114,13 +155,24 @@ def _draft_model(name: str, target, tree: TreeSpec) -> DraftModelProposer:
     )
 
 
-def load_checkpoint(path: Path, target, tree: TreeSpec):
+def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int] | None = None):
+    """aux_layers (HF indices): the layers an EAGLE-3 drafter that records none drafts from (else the
+    serving engine's default, said in the proposer's notes); where the drafter records its layers
+    the option must name the same ones."""
     if (path / CONFIG_FILE).is_file():  # native drafters checkpoint (drafters.checkpoint)
         checkpoint = read_checkpoint(path)
         check_target(checkpoint, target)
         if checkpoint.family not in FAMILY_LOADERS:
             raise ValueError(f"drafter checkpoint {path}: no proposer for family {checkpoint.family!r} yet; "
                              f"known families: {', '.join(sorted(FAMILY_LOADERS)) or 'none'}")
+        recorded = checkpoint.config.get("aux_layers") if checkpoint.family == "eagle3" else None
+        if aux_layers is not None and recorded is None:
+            raise ValueError(f"aux_layers={aux_layers} for {path}: only EAGLE-3 drafters read auxiliary layers, "
+                             f"this is a {checkpoint.family!r} checkpoint")
+        if aux_layers is not None and list(aux_layers) != list(recorded):
+            raise ValueError(f"{path / CONFIG_FILE}: records auxiliary layers HF hidden_states {recorded}, but the "
+                             f"aux_layers option says {aux_layers}: a drafter drafts only from the layers it was "
+                             "trained on; drop the option")
         return FAMILY_LOADERS[checkpoint.family](checkpoint, target, tree)
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -132,8 +184,14 @@ def load_checkpoint(path: Path, target, tree: TreeSpec):
         raise ValueError(f"{config_path}: not valid JSON ({error})") from None
     check_export_target(config, target, config_path)
     for fmt, (detect, load) in CHECKPOINT_LOADERS.items():
-        if detect(config):
-            return load(path, config, target, tree)
+        if not detect(config):
+            continue
+        if fmt in EAGLE3_FORMATS:
+            return load(path, config, target, tree, aux_layers=aux_layers)
+        if aux_layers is not None:
+            raise ValueError(f"aux_layers={aux_layers} for {path}: only EAGLE-3 drafters read auxiliary layers, "
+                             f"this is a {fmt} export")
+        return load(path, config, target, tree)
     raise ValueError(
         f"drafter checkpoint {path}: no loader for this format yet (architectures "
         f"{config.get('architectures')}); known formats: {', '.join(CHECKPOINT_LOADERS) or 'none'}. "
