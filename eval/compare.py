@@ -15,6 +15,13 @@ Training budgets and curves are read from each checkpoint's drafter.json and the
 its run directory. The report is
 out/index.md with PNG plots beside it (drafters.decode.report).
 
+A drafter trained by another tool is compared as its exported directory (config.json: SpecForge and
+the EAGLE repository write the SGLang layout, speculators the vLLM one, Medusa its own), read by the
+same readers as ours; its row label names the tool: `TOOL=DIR` (e.g. `SpecForge=runs/sf/epoch_9`),
+else what the files tell (our exports carry a marker, the vLLM layout is speculators'), else the
+layout only. `DIR:aux_layers=A,B,C` gives the HF hidden_states indices an EAGLE-3 directory without
+layer ids drafts from (default: the serving engine's, which the report's settings state).
+
 Refused with a clear error, before anything runs: a drafter directory that is not a checkpoint,
 drafters trained for different targets, or for another target than --target.
 """
@@ -27,8 +34,9 @@ from pathlib import Path
 
 from drafters.decode import evaluate as tau  # what eval/tau.py runs, in this process
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, target_info
-from drafters.decode.proposers.loading import load_proposer, proposer_sha256
+from drafters.decode.proposers.loading import CHECKPOINT_LOADERS, load_proposer, proposer_sha256, split_drafter_spec
 from drafters.decode.report import Entry, render
+from drafters.export.common import MARKER
 from drafters.targets import load_target
 from drafters.decode.tree import parse_tree_spec
 
@@ -37,8 +45,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
     p.add_argument("--drafters", nargs="*", default=[],
-                   help="trained checkpoint directories; DIR@TREE evaluates that one at its own tree spec "
-                        "(e.g. a Medusa checkpoint's calibrated static:DIR/tree.json); a directory may repeat")
+                   help="trained checkpoint directories, or exported ones (ours or another tool's: TOOL=DIR names "
+                        "the tool in the row label, DIR:aux_layers=A,B,C sets the HF layer indices of an EAGLE-3 "
+                        "directory that records none); DIR@TREE evaluates that one at its own tree spec (e.g. a "
+                        "Medusa checkpoint's calibrated static:DIR/tree.json); a directory may repeat")
     p.add_argument("--baselines", default="", help="comma-separated untrained proposers, e.g. prompt-lookup")
     p.add_argument("--bench", default="mt_bench", help="comma-separated: mt_bench, humaneval or JSONL paths")
     p.add_argument("--temperature", default="0", help="comma-separated temperatures")
@@ -87,17 +97,26 @@ def main(argv=None) -> Path:
                 f"max_new_tokens {args.max_new_tokens}" + (f", first {args.max_turns} turn(s)" if args.max_turns else ""),
                 f"main tree: `{args.tree}`", "tau = mean over rounds of accepted draft tokens + 1 (bonus)",
                 "speedup = speculative tokens/s over plain `generate` tokens/s, same process, batch 1"]
+    settings += [f"{entry.label}: {note}" for entry in entries  # defaults applied to another tool's files
+                 for note in dict.fromkeys(n for r in entry.runs for n in r.get("proposer_notes", []))]
     index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings)
     print(f"compare: wrote {index}")
     return index
 
 
 def checkpoint_entry(directory: str, tree: str = "") -> Entry:
-    path = Path(directory)
+    tool, spec = split_tool(directory)
+    try:
+        path, _ = split_drafter_spec(spec)
+    except ValueError as error:
+        raise SystemExit(f"compare: {error}") from None
     meta_path = path / CONFIG_FILE
     if not meta_path.is_file():
-        raise SystemExit(f"compare: {path} is not a drafter checkpoint (no {CONFIG_FILE}); pass the "
-                         "checkpoint-final directory a training run wrote")
+        if (path / "config.json").is_file():
+            return export_entry(path, spec, tree, tool)
+        raise SystemExit(f"compare: {path} is not a drafter checkpoint (no {CONFIG_FILE}) nor an exported drafter "
+                         "(no config.json); pass the checkpoint-final directory a training run wrote, or the "
+                         "directory another tool saved")
     meta = json.loads(meta_path.read_text())
     run_dir = path.parent
     name = run_dir.name if path.name.startswith("checkpoint") else path.name
@@ -107,9 +126,46 @@ def checkpoint_entry(directory: str, tree: str = "") -> Entry:
                 "wall_s": metrics[-1].get("elapsed_s") if metrics else None}
     kind, _, arg = tree.partition(":")
     shown = f"{kind}:{Path(arg).name}" if kind == "static" and "/" in arg else tree  # static:DIR/tree.json
-    label = f"{meta['family']}:{name}" + (f" @{shown}" if tree else "")
-    return Entry(label=label, family=meta["family"], source=str(path), metrics=metrics, training=training,
+    label = f"{meta['family']}:{name}" + (f" ({tool})" if tool else "") + (f" @{shown}" if tree else "")
+    return Entry(label=label, family=meta["family"], source=spec, metrics=metrics, training=training,
                  target=meta.get("target", {}), tree=tree or None)
+
+
+LAYOUTS = {"sglang-eagle3": ("eagle3", "SGLang layout"), "vllm-eagle3": ("eagle3", "vLLM layout"),
+           "medusa": ("medusa", "Medusa layout"), "eagle1": ("eagle1", "EAGLE-1 layout")}
+
+
+def split_tool(spec: str) -> tuple[str | None, str]:
+    """TOOL=DIR... -> (TOOL, DIR...); a spec whose path is a directory, or whose part before '=' looks like
+    a path or holds options, has no tool."""
+    tool, eq, rest = spec.partition("=")
+    if not eq or not tool or any(c in tool for c in "/:@") or Path(spec.partition(":")[0]).exists():
+        return None, spec
+    return tool, rest
+
+
+def export_entry(path: Path, spec: str, tree: str, tool: str | None) -> Entry:
+    """An exported directory (ours or another tool's): no training record; its label names the tool that
+    made it: TOOL=DIR, else our export marker, else speculators for the vLLM layout, else the layout."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"compare: {path / 'config.json'}: not readable JSON ({error})") from None
+    layout = next((name for name, (detect, _) in CHECKPOINT_LOADERS.items() if detect(config)), None)
+    if layout is None:
+        raise SystemExit(f"compare: {path}: config.json is no exported drafter layout this project reads "
+                         f"({', '.join(LAYOUTS)})")
+    family, layout_name = LAYOUTS[layout]
+    if tool is None and (path / MARKER).is_file():
+        tool = "drafters"  # written by eval/export.py
+    elif tool is None and layout == "vllm-eagle3":
+        tool = "speculators"
+    made_by = f"{tool}, {layout_name}" if tool else f"{layout_name}, trainer not named (TOOL=DIR)"
+    kind, _, arg = tree.partition(":")
+    shown = f"{kind}:{Path(arg).name}" if kind == "static" and "/" in arg else tree
+    label = f"{family}:{path.name} ({made_by})" + (f" @{shown}" if tree else "")
+    return Entry(label=label, family=family, source=spec, training={"note": "not recorded (trained elsewhere)"},
+                 target={}, tree=tree or None)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -126,6 +182,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def check_same_target(entries: list[Entry], target, target_name: str) -> None:
+    # exported directories record only part of it: load_proposer checks them against --target (check_trees)
+    entries = [e for e in entries if e.target]
     if not entries:
         return
     fields = ("name", *TARGET_FIELDS)

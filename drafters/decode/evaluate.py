@@ -59,7 +59,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
     p.add_argument("--proposer", required=True,
-                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory | "
+                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory, ours or exported "
+                        "by another tool (DIR:aux_layers=A,B,C: the HF hidden_states indices an EAGLE-3 "
+                        "directory without layer ids drafts from, instead of the engine's default) | "
                         "DIR+prompt-lookup (the drafter's tree plus lookup continuations, greedy)")
     p.add_argument("--bench", required=True, help="mt_bench | humaneval | path to a JSONL file")
     p.add_argument("--tree", default="chain:4", help="chain:K | static:... | dynamic:total=,depth=,topk=")
@@ -113,6 +115,11 @@ def main(argv=None) -> dict:
         target.model.to(args.device_used)
         args.proposer_sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
         proposer = load_proposer(args.proposer, target, tree)
+        # how a drafter's files were read where they leave something out (e.g. another tool's EAGLE-3
+        # directory without layer ids: the engine's default layers): said here, recorded in the JSON
+        args.proposer_notes = list(getattr(proposer, "notes", []))
+        for note in args.proposer_notes:
+            print(f"note: {note}")
         if args.adaptive:
             proposer = AdaptiveChain(proposer)
         if getattr(proposer, "greedy_only", False) and args.temperature > 0:
@@ -284,6 +291,7 @@ def summarize(run: Run, args, target, tree) -> dict:
     measured = run.base_tokens > 0  # False with --no-baseline
     return {
         "target": target.name, "proposer": args.proposer, "proposer_sha256": args.proposer_sha256,
+        "proposer_notes": getattr(args, "proposer_notes", []),
         "bench": args.bench, "tree": args.tree,
         "tree_budget": {"draft_nodes_excl_root": budget, "nodes_incl_root": budget + 1},
         "mean_tree_nodes_incl_root": sum(stats.tree_sizes) / rounds,
@@ -352,7 +360,7 @@ def merge(paths: list[str], out: str | None) -> dict:
         max_turns=first["max_turns"],
         limit=first["limit"], adaptive=first["adaptive"], no_baseline=first["no_baseline"],
         device_used=first["device"], shard=f"merged {len(reports)}", temperature=first["sampling"]["temperature"],
-        proposer_sha256=first.get("proposer_sha256"),
+        proposer_sha256=first.get("proposer_sha256"), proposer_notes=first.get("proposer_notes", []),
         top_k=first["sampling"]["top_k"], top_p=first["sampling"]["top_p"], seed=first["sampling"]["seed"])
     report = summarize(run, args, argparse.Namespace(name=first["target"]), parse_tree_spec(first["tree"]))
     report["threads"] = first["threads"]

@@ -107,6 +107,8 @@ def markdown(entries: list[Entry], images: list[Path], title: str, settings: lis
 def training_cell(training: dict | None) -> str:
     if not training:
         return "untrained"
+    if "steps" not in training:  # a drafter another tool trained: its files record no budget
+        return training.get("note", "not recorded")
     wall = training.get("wall_s")
     wall = "" if wall is None else f", {wall / 60:.1f} min"
     return f"{training['steps']} steps, {training['tokens'] / 1e3:.0f}k tokens{wall}"
