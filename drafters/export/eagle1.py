@@ -23,6 +23,11 @@ The writer stages into a temporary sibling directory, has the reader below (whic
 and shape from config.json alone, sharing nothing with the writer) reload and check every field, name,
 shape and dtype, rebuilds an Eagle1Drafter from the files and compares its predicted features and
 logits with the source checkpoint's, and only then renames the directory into place.
+
+The reader also loads the EAGLE repository's own saves: either transformers spelling of the Llama fields,
+architectures ["LlamaForCausalLMEagle"], and the fields its configs leave out at the defaults its loader
+and LlamaConfig apply (bias true, head_dim, num_key_value_heads, rope_theta 10000), said in one note;
+float16 weights.
 """
 
 import json

@@ -4,6 +4,8 @@
                                   "base_model_name_or_path": the target, "hidden_size": d,
                                   "vocab_size": V, "torch_dtype": ..., ["version": "2"],
                                   ["medusa_choices": the calibrated tree's rank paths]}
+                                 (the reader also takes `dtype`, the transformers 5.x spelling, and
+                                 no hidden_size / vocab_size, as the Medusa repository's saves have)
     medusa_lm_head.safetensors   {k}.{j}.linear.weight (d, d), {k}.{j}.linear.bias (d,)  block j of head k
                                  {k}.{n}.weight (V, d)                                  head k's LM head
 
