@@ -207,7 +207,8 @@ def test_the_missing_eagle_config_message(tmp_path, ours, target):
     path = foreign(tmp_path, ours, "SpecForge, transformers 5.x")
     _, notes = drafts(path, target)
     assert notes == [
-        f"{path}/config.json: no eagle_config (SpecForge writes it only when its user gave one): drafting from "
+        f"{path}/config.json: no eagle_config (SpecForge writes it only when its user gave one, the EAGLE "
+        "repository never): drafting from "
         "the layers SGLang captures by default for this 8-layer target, SGLang \"output of layer\" ids [1, 3, 4] "
         "(= [1, L//2-1, L-4]), i.e. HF hidden_states indices [2, 4, 5]; override with the proposer option "
         "DIR:aux_layers=A,B,C (HF hidden_states indices)"]
@@ -342,3 +343,15 @@ def test_compare_puts_another_tools_drafter_beside_ours(tmp_path, ours):
     taus = {label: float(row.split("|")[6]) for label, row in rows.items()}
     assert len(set(taus.values())) == 1  # the same weights: the same tau, whoever wrote the files
     assert "eagle3:specforge-smol (SpecForge, SGLang layout): " in text and "no eagle_config" in text
+
+
+def test_an_eagle_config_without_layer_ids_is_the_default_too(tmp_path, ours, target):
+    # SGLang reads eagle_config.get(...): one that names no ids leaves them to its default as well
+    path = foreign(tmp_path, ours, "SpecForge, transformers 4.x")
+    (path / "config.json").write_text(json.dumps({**read_config(path), "eagle_config": {"use_aux_hidden_state": True}}))
+    got, notes = drafts(path, target)
+    assert got == drafts(ours["sglang"], target)[0]
+    assert notes[-1].startswith(f"{path}/config.json: no eagle_config.eagle_aux_hidden_state_layer_ids (")
+    (path / "config.json").write_text(json.dumps({**read_config(path), "eagle_config": {"use_aux_hidden_state": False}}))
+    with pytest.raises(ExportCheckError, match="use_aux_hidden_state' = False"):
+        drafts(path, target)

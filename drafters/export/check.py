@@ -93,9 +93,13 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None, aux_layers
     config = _read_json(path / "config.json")
     said = []
     geometry, aux_hf, written = READERS[fmt](config, path / "config.json", said)
+    # the field that would hold the ids (SGLang: the ids inside an eagle_config that has no ids)
+    nested = fmt == "sglang" and config.get("eagle_config") is not None
+    missing = "eagle_config.eagle_aux_hidden_state_layer_ids" if nested else ENGINE[fmt].field
     if aux_hf is None and not engine_defaults:  # our exports always record them
-        raise ExportCheckError(f"{path / 'config.json'}: required field {ENGINE[fmt].field!r} is missing")
-    aux_hf = _resolve_aux_layers(aux_hf, written, aux_layers, fmt, target, path / "config.json", said)
+        raise ExportCheckError(f"{path / 'config.json'}: required field {missing!r} is missing")
+    aux_hf = _resolve_aux_layers(aux_hf, written, aux_layers, fmt, target, path / "config.json", said,
+                                 missing=missing)
     tensors = _read_tensors(path / "model.safetensors")
     prefix = {"sglang": "midlayer.", "vllm": "layers.0."}[fmt]
     # speculators saves the verifier's embedding beside the drafter (vLLM then uses it instead
@@ -122,12 +126,12 @@ class EngineLayers:
     field: str  # where the layout records the ids
     convention: str  # what its ids mean
     offset: int  # recorded id = HF hidden_states index + offset
-    why: str  # who leaves the field out
+    why: str  # who leaves the ids out
 
 
 ENGINE = {
     "sglang": EngineLayers("SGLang", "eagle_config", 'SGLang "output of layer" ids', -1,
-                           "SpecForge writes it only when its user gave one"),
+                           "SpecForge writes it only when its user gave one, the EAGLE repository never"),
     "vllm": EngineLayers("vLLM", "eagle_aux_hidden_state_layer_ids", "vLLM layer ids", 0,
                          "speculators before 0.5 wrote none"),
 }
@@ -142,7 +146,7 @@ def engine_default_layers(num_layers: int) -> list[int]:
 
 
 def _resolve_aux_layers(recorded: list[int] | None, written: list[int] | None, option: list[int] | None,
-                        fmt: str, target: dict | None, where: Path, notes: list[str]) -> list[int]:
+                        fmt: str, target: dict | None, where: Path, notes: list[str], *, missing: str) -> list[int]:
     engine = ENGINE[fmt]
     if option is not None:
         option = list(option)
@@ -161,15 +165,15 @@ def _resolve_aux_layers(recorded: list[int] | None, written: list[int] | None, o
         return [i + engine.offset for i in ids]
 
     if option is not None:
-        notes.append(f"{where}: no {engine.field}: drafting from HF hidden_states indices {option} "
+        notes.append(f"{where}: no {missing}: drafting from HF hidden_states indices {option} "
                      f"({engine.convention} {in_engine(option)}), given by the aux_layers option"
                      + (f", not {engine.engine}'s default {default}" if default not in (None, option) else ""))
         return option
     if default is None:
-        raise ExportCheckError(f"{where}: no {engine.field} ({engine.why}) and no target given: "
+        raise ExportCheckError(f"{where}: no {missing} ({engine.why}) and no target given: "
                                f"{engine.engine}'s default auxiliary layers depend on the target's layer count")
     rule = "[1, L//2-1, L-4]" if engine.offset == -1 else "[2, L//2, L-3]"
-    notes.append(f"{where}: no {engine.field} ({engine.why}): drafting from the layers {engine.engine} captures "
+    notes.append(f"{where}: no {missing} ({engine.why}): drafting from the layers {engine.engine} captures "
                  f"by default for this {target['num_layers']}-layer target, {engine.convention} "
                  f"{in_engine(default)} (= {rule}), i.e. HF hidden_states indices {default}; override with the "
                  "proposer option DIR:aux_layers=A,B,C (HF hidden_states indices)")
