@@ -101,8 +101,8 @@ def specforge(ours: dict, era: str) -> dict:
     if era == "4.x":
         return {**config, "rope_theta": ours["rope_theta"], "rope_scaling": ours["rope_scaling"],
                 "torch_dtype": "float32", "transformers_version": "4.53.2"}
-    rope = {"rope_parameters": {**ours["rope_scaling"], "rope_theta": ours["rope_theta"]}, "dtype": "float32",
-            "transformers_version": "5.23.0"}
+    rope = {"rope_parameters": {**(ours["rope_scaling"] or {"rope_type": "default"}), "rope_theta": ours["rope_theta"]},
+            "dtype": "float32", "transformers_version": "5.23.0"}
     # as the issue reported it: rope_theta kept beside rope_parameters, no rope_scaling nor torch_dtype
     return {**config, **rope, **({"rope_theta": ours["rope_theta"]} if era == "5.x" else {})}
 
@@ -120,7 +120,8 @@ def speculators(ours: dict, era: str) -> dict:
         layer.update(rope_theta=theta, rope_scaling=scaling, torch_dtype="float32", transformers_version="4.53.2")
         return {**config, "architectures": ["Eagle3Speculator"], "speculators_version": "0.4.0",
                 "torch_dtype": "float32", "transformers_version": "4.53.2"}
-    layer.update(rope_parameters={**scaling, "rope_theta": theta}, layer_types=["full_attention"],
+    layer.update(rope_parameters={**(scaling or {"rope_type": "default"}), "rope_theta": theta},
+                 layer_types=["full_attention"],
                  transformers_version="5.23.0")
     return {**config, "architectures": ["Eagle3DraftModel"], "speculators_version": "0.9.0", "dtype": "float32",
             "eagle_aux_hidden_state_layer_ids": ours["eagle_aux_hidden_state_layer_ids"],
