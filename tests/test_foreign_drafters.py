@@ -207,18 +207,17 @@ def test_another_tools_drafter_drafts_exactly_like_our_export_of_the_same_weight
 def test_the_missing_eagle_config_message(tmp_path, ours, target):
     path = foreign(tmp_path, ours, "SpecForge, transformers 5.x")
     _, notes = drafts(path, target)
-    assert notes == [
+    assert notes == [(
         f"{path}/config.json: no eagle_config (SpecForge writes it only when its user gave one, the EAGLE "
-        "repository never): drafting from "
-        "the layers SGLang captures by default for this 8-layer target, SGLang \"output of layer\" ids [1, 3, 4] "
-        "(= [1, L//2-1, L-4]), i.e. HF hidden_states indices [2, 4, 5]; override with the proposer option "
-        "DIR:aux_layers=A,B,C (HF hidden_states indices)"]
+        "repository never): drafting from the layers SGLang captures by default for this 8-layer target, SGLang "
+        "\"output of layer\" ids [1, 3, 4] (= [1, L//2-1, L-4]), i.e. HF hidden_states indices [2, 4, 5]; "
+        "override with the proposer option DIR:aux_layers=A,B,C (HF hidden_states indices)")]
     vllm = foreign(tmp_path / "v", ours, "speculators 0.4, transformers 4.x")
-    assert drafts(vllm, target)[1] == [
+    assert drafts(vllm, target)[1] == [(
         f"{vllm}/config.json: no eagle_aux_hidden_state_layer_ids (speculators before 0.5 wrote none): drafting "
         "from the layers vLLM captures by default for this 8-layer target, vLLM layer ids [2, 4, 5] "
         "(= [2, L//2, L-3]), i.e. HF hidden_states indices [2, 4, 5]; override with the proposer option "
-        "DIR:aux_layers=A,B,C (HF hidden_states indices)"]
+        "DIR:aux_layers=A,B,C (HF hidden_states indices)")]
 
 
 def test_the_aux_layers_option_overrides_the_default_and_nothing_recorded(tmp_path, ours, target):
@@ -227,9 +226,9 @@ def test_the_aux_layers_option_overrides_the_default_and_nothing_recorded(tmp_pa
     assert drafts(f"{path}:aux_layers=2,4,5", target)[0] == default  # the default, given explicitly
     other, notes = drafts(f"{path}:aux_layers=1,3,6", target)
     assert other[1] != default[1]  # other target features: other drafts
-    assert notes == [f"{path}/config.json: no eagle_config: drafting from HF hidden_states indices [1, 3, 6] "
-                     "(SGLang \"output of layer\" ids [0, 2, 5]), given by the aux_layers option, not SGLang's "
-                     "default [2, 4, 5]"]
+    assert notes == [(f"{path}/config.json: no eagle_config: drafting from HF hidden_states indices [1, 3, 6] "
+                      "(SGLang \"output of layer\" ids [0, 2, 5]), given by the aux_layers option, not SGLang's "
+                      "default [2, 4, 5]")]
     chain = parse_tree_spec("chain:2")
     for recorded in (ours["sglang"], ours["vllm"], ours["native"]):  # a drafter's recorded layers win
         assert drafts(f"{recorded}:aux_layers=2,4,5", target)[0] == drafts(recorded, target)[0]
