@@ -24,16 +24,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
-from drafters.decoding import speculative_generate
+from drafters.decode.decoder import speculative_generate
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.export import MARKER, export_checkpoint
-from drafters.export_check import ExportCheckError, check_export, config_dtype, rope_fields
+from drafters.export.common import MARKER
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.check import ExportCheckError, check_export, config_dtype, rope_fields
 from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.proposers.loading import load_proposer
+from drafters.decode.proposers.loading import load_proposer
 from drafters.targets import load_target
-from drafters.tree import parse_tree_spec
+from drafters.decode.tree import parse_tree_spec
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 DRAFT_VOCAB = 64

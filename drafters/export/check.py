@@ -258,7 +258,7 @@ def _layer_geometry(config: dict, where: str, notes: list[str]) -> dict:
 
 
 # ---- Llama fields in transformers 4.x and 5.x spellings, and LlamaConfig's defaults -------------
-# Also read by the EAGLE-1 reader (drafters.export_eagle1): both layouts hold a one-layer LlamaConfig.
+# Also read by the EAGLE-1 reader (drafters.export.eagle1): both layouts hold a one-layer LlamaConfig.
 
 LLAMA_ROPE_THETA = 10000.0  # LlamaConfig's default base, in transformers 4.x and 5.x alike
 
