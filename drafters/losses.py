@@ -90,7 +90,9 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int):
         w = weight.to(x.dtype)
-        grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        train_w = ctx.needs_input_grad[1]  # a frozen head (DFlash: the target's rows) needs no dL/dW
+        grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32,
+                                                            device=x.device)
         loss, argmax = x.new_zeros((), dtype=torch.float32), torch.empty(len(x), dtype=torch.long, device=x.device)
         for start in range(0, len(x), chunk):
             rows = slice(start, start + chunk)
@@ -100,7 +102,8 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
             argmax[rows] = z.argmax(-1)
             dz = (log_q.exp_() - target_p[rows]).mul_(scale).to(x.dtype)  # (c, Vd) = scale * (q - p)
             grad_x[rows] = dz @ w
-            grad_w += (dz.T @ x[rows]).float()
+            if train_w:
+                grad_w += (dz.T @ x[rows]).float()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(argmax)
@@ -109,7 +112,8 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_argmax):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+        grad_w = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None
 
 
 def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,

@@ -9,7 +9,7 @@ here, so a new family (one file at the top of drafters/) is wired in by one entr
 A drafter fits a target when the shapes it reads and writes are the target's: hidden size and
 vocabulary for every family; the position range for the families with rotary attention (a drafter
 built for a shorter context drifts in serving engines); and the family's own reads (EAGLE-3's
-auxiliary layers exist in the target, EAGLE-1's feature is one it knows). The target's identity
+auxiliary layers exist in the target, EAGLE-1's feature is one it knows, DFlash's layers and mask token). The target's identity
 (name, layer count) recorded in a checkpoint is drafters.checkpoint.check_target's business.
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import CheckpointError
+from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -46,6 +47,20 @@ def _aux_layers_exist(config, text) -> list[str]:
     return [f"aux_layers {config.aux_layers} outside 0..{text.num_hidden_layers} (target layer count)"]
 
 
+def _dflash(config: DFlashConfig, state: dict) -> DFlashDrafter:
+    # the LM head is the target's (frozen, never stored): the caller attaches it (DFlashDrafter.attach_head)
+    vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
+                                       target_vocab_size=config.vocab_size)
+    return DFlashDrafter(config, vocab)
+
+
+def _dflash_reads(config, text) -> list[str]:
+    problems = _aux_layers_exist(config, text)
+    if not 0 <= config.mask_token_id < text.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is not a token id of the target (vocab {text.vocab_size})")
+    return problems
+
+
 def _known_feature(config, text) -> list[str]:
     return [] if config.feature in FEATURES else [f"feature {config.feature!r} is none of {', '.join(FEATURES)}"]
 
@@ -57,8 +72,9 @@ FAMILIES: dict[str, Family] = {
                                                                    "max_position_embeddings"), _known_feature),
     "medusa": Family(MedusaConfig, lambda c, s: MedusaHeads(c), ("hidden_size", "vocab_size")),
     "blockwise": Family(BlockwiseConfig, lambda c, s: BlockwiseHeads(c), ("hidden_size", "vocab_size")),
+    "dflash": Family(DFlashConfig, _dflash, ("hidden_size", "vocab_size", "max_position_embeddings"), _dflash_reads),
 }
-NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "blockwise": "Blockwise"}
+NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "blockwise": "Blockwise", "dflash": "DFlash"}
 
 
 def family_of(config) -> str:
