@@ -229,3 +229,16 @@ def test_eagle3_features_for_other_aux_layers_are_refused(scripts, written_eagle
                                                 "'fused:1,4,6'"):
         scripts[1].main([EAGLE3, f"data.path={DATA}", f"output_dir={tmp_path}", f"features.dir={written_eagle3[0]}",
                          "features.dtype=float32", "layers=[1,4,6]"])
+
+
+def test_dflash_trains_from_the_eagle3_store_as_it_trains_online(scripts, written_eagle3, tmp_path):
+    # DFlash reads EAGLE-3's layout (fused aux layers + label hidden state): one store serves both
+    common = [str(ROOT / "recipes" / "dflash_tiny.yaml"), f"data.path={DATA}", "max_steps=4", "eval_every=2"]
+    online = scripts[1].main([*common, f"output_dir={tmp_path / 'online'}"])
+    offline = scripts[1].main([*common, f"output_dir={tmp_path / 'offline'}", f"features.dir={written_eagle3[0]}",
+                               "features.dtype=float32"])
+    assert offline.losses == pytest.approx(online.losses, rel=1e-5)
+    assert offline.eval["tau_pred"] == pytest.approx(online.eval["tau_pred"])
+    with pytest.raises(FeatureStoreError, match="'fused:2,4,5' in the stored features but 'fused:1,4,6'"):
+        scripts[1].main([*common, f"output_dir={tmp_path / 'other'}", f"features.dir={written_eagle3[0]}",
+                         "layers=[1,4,6]"])

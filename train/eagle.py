@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 or EAGLE-1 drafter head on a frozen target (target features online per batch, or offline).
+"""Train an EAGLE-3, EAGLE-1 or DFlash drafter on a frozen target (target features online per batch, or offline).
 
     accelerate launch train/eagle.py recipes/eagle3_smollm2.yaml [key=value ...]
     python train/eagle.py recipes/eagle3_tiny.yaml max_steps=3 output_dir=/tmp/run
@@ -12,7 +12,11 @@ EAGLE-1 (`drafter: eagle1`, drafters.eagle1 / drafters.training.eagle1): Eagle1D
 frozen head and embedding, no draft vocabulary; features = the last hidden state (eagle1.feature) +
 logits; loss = eagle1.feature_weight * SmoothL1(feature_{t+1}) + eagle1.token_weight * soft CE(token
 t+2), U(-eagle1.noise, eagle1.noise) on the input features while training; metrics.jsonl step_loss =
-[feature, token] loss, step_acc = its top-1. With features.dir set (EAGLE-3 or EAGLE-1) the features are streamed from
+[feature, token] loss, step_acc = its top-1.
+DFlash (`drafter: dflash`, drafters.dflash / drafters.training.dflash): the same fused aux layers, soft labels
+and draft vocabulary as EAGLE-3; per row dflash.anchors blocks of dflash.block_size slots at random eligible
+anchors, loss weights exp(-(j-1) / dflash.gamma) per slot j; metrics.jsonl step_loss / step_acc = per slot.
+With features.dir set (EAGLE-3, DFlash or EAGLE-1) the features are streamed from
 what `python train/features.py RECIPE` precomputed (drafters.training.features) instead of running the target;
 EAGLE-3's soft labels come from the stored final hidden state through the frozen head, at supervised rows.
 optim.clip_value (null = off) clips each gradient element before max_grad_norm clips the norm.
@@ -29,6 +33,13 @@ from accelerate.utils import set_seed
 
 from drafters.draft_vocab import build_draft_vocab
 from drafters.training.data import collate
+from drafters.training.dflash import (
+    DFlashObjective,
+    build_dflash_drafter,
+    choose_mask_token,
+    evaluate_dflash,
+    format_dflash_eval,
+)
 from drafters.training.eagle1 import Eagle1Objective, build_eagle1_drafter, evaluate_eagle1
 from drafters.training.eagle3 import (
     Eagle3Objective,
@@ -52,7 +63,7 @@ from drafters.training.loop import (
     start_run,
     train_loader,
 )
-from drafters.training.recipe import run_main
+from drafters.training.recipe import RecipeError, run_main
 
 Recipe = EagleRecipe  # this script's schema (tests/test_recipes.py reads each script's `Recipe`)
 
@@ -69,17 +80,30 @@ def main(argv: list[str]) -> Summary:
         store = FeatureStore.open(recipe.features.dir)
         store.check(recipe, target)
         say(store.summary())
-    if recipe.drafter == "eagle3":
+    if recipe.drafter in ("eagle3", "dflash"):
         if recipe.draft_vocab_size > target.vocab_size:
             say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
                 f"({target.vocab_size}): using {target.vocab_size}")
         vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
                                   min(recipe.draft_vocab_size, target.vocab_size))
+    if recipe.drafter == "eagle3":
         set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
         drafter = build_eagle3_drafter(recipe, target, vocab)
         say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
             f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
         objective = Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight)
+    elif recipe.drafter == "dflash":
+        try:
+            mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)
+        except ValueError as err:
+            raise RecipeError(f"recipe: {err}") from None
+        set_seed(recipe.seed)
+        drafter = build_dflash_drafter(recipe, target, vocab, mask_token_id)
+        c = drafter.config
+        say(f"eagle: DFlash drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+            f"{c.num_hidden_layers} layers, block {c.block_size}, mask token {c.mask_token_id}, aux layers "
+            f"{c.aux_layers}, draft vocab {vocab.size} of {target.vocab_size} (target head rows, frozen)")
+        objective = DFlashObjective(drafter, recipe.dflash, recipe.seed)
     else:
         set_seed(recipe.seed)
         drafter = build_eagle1_drafter(recipe, target)
@@ -115,11 +139,12 @@ class Run(RunBase):
         return metrics if acc is None else acc + metrics
 
     def held_out(self) -> dict:
-        held_out = evaluate_eagle1 if self.recipe.drafter == "eagle1" else evaluate_eagle3
+        held_out = {"eagle1": evaluate_eagle1, "dflash": evaluate_dflash}.get(self.recipe.drafter, evaluate_eagle3)
         return held_out(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches, self.recipe,
                         self.accelerator)
 
-    describe = staticmethod(format_eval)
+    def describe(self, result: dict) -> str:
+        return format_dflash_eval(result) if self.recipe.drafter == "dflash" else format_eval(result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Training the EAGLE families (train/eagle.py): the recipe schema both share, EAGLE-3's objective (the
 training-time test of drafters.eagle3 on one batch), the target inputs it reads (online: a target
 forward per batch; offline: drafters.training.features), and its held-out evaluation. EAGLE-1's own
-pieces are in drafters.training.eagle1.
+pieces are in drafters.training.eagle1, DFlash's (drafter: dflash, same inputs) in drafters.training.dflash.
 """
 
 import math
@@ -25,18 +25,20 @@ from drafters.eagle3 import (
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
 from drafters.losses import LabelLogits, draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.targets import Target
+from drafters.training.dflash import DFlashOptions, check_dflash
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1, eagle1_inputs_fn
 from drafters.training.loop import TrainRecipe
 
 
 @dataclass(kw_only=True)
 class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batches, steps, precision, ...
-    drafter: Literal["eagle3", "eagle1"] = "eagle3"
+    drafter: Literal["eagle3", "eagle1", "dflash"] = "eagle3"
     output_dir: str = "outputs/eagle3"
     draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
     layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
-    ttt_steps: int = 7
-    step_weight: float = 0.8  # loss of TTT step i weighs step_weight ** i
+    ttt_steps: int = 7  # EAGLE-3 only
+    step_weight: float = 0.8  # EAGLE-3 only: loss of TTT step i weighs step_weight ** i
+    dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash only
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
@@ -47,7 +49,7 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
                 if getattr(recipe, name) < 1]
     if recipe.step_weight <= 0:
         problems.append(f"step_weight={recipe.step_weight} must be > 0")
-    return problems + check_eagle1(recipe)
+    return problems + check_eagle1(recipe) + check_dflash(recipe)
 
 
 def warn_about_layers(recipe: EagleRecipe, say=print) -> None:

@@ -71,17 +71,22 @@ class FeatureStoreError(RecipeError):
 # ---- the header: what the features were computed from -------------------------------------------
 
 
+# The stored layout each family reads: DFlash reads exactly EAGLE-3's (fused aux layers + the final-normed
+# hidden state for the soft labels), so one store serves both at the same layers.
+FEATURE_FAMILY = {"eagle3": "eagle3", "dflash": "eagle3", "eagle1": "eagle1"}
+
+
 def layer_spec(recipe, target) -> dict:
     """What `features` (and `label_hidden`) hold for this recipe. spec["features"] is compared on reading:
-    EAGLE-1: eagle1.feature; EAGLE-3: "fused:2,15,27" (the aux layers, HF hidden_states indices)."""
+    EAGLE-1: eagle1.feature; EAGLE-3 and DFlash: "fused:2,15,27" (the aux layers, HF hidden_states indices)."""
     if recipe.drafter == "eagle1":
         return {"features": recipe.eagle1.feature, "what": LAYER_SPECS[recipe.eagle1.feature]}
-    if recipe.drafter == "eagle3":
+    if recipe.drafter in ("eagle3", "dflash"):
         layers = default_eagle3_layers(target.num_layers) if recipe.layers is None else list(recipe.layers)
         return {"features": "fused:" + ",".join(map(str, layers)), "layers": layers,
                 "what": f"cat(hidden_states[l] for l in {layers}): the EAGLE-3 fusion input, n*h wide",
                 "label_hidden": "hidden_states[L], final-normed: soft labels = frozen head at supervised rows"}
-    raise FeatureStoreError(f"offline features (features.dir) are implemented for drafter=eagle3 and eagle1, not "
+    raise FeatureStoreError(f"offline features (features.dir) are implemented for drafter=eagle3, dflash and eagle1, not "
                             f"{recipe.drafter}; unset features.dir to train {recipe.drafter} online")
 
 
@@ -90,7 +95,7 @@ def features_header(recipe, target) -> dict:
     data = asdict(recipe.data)
     return {
         "format": FORMAT,
-        "family": recipe.drafter,
+        "family": FEATURE_FAMILY.get(recipe.drafter, recipe.drafter),  # whose layout: dflash reads eagle3's
         "layer_spec": layer_spec(recipe, target),
         "dtype": recipe.features.dtype,
         "shard_rows": recipe.features.shard_rows,
