@@ -26,6 +26,7 @@ from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_
 from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.files import dir_sha256
 from drafters.decode.proposers import PROPOSERS
+from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
 from drafters.decode.proposers.draft_model import DraftModelProposer
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
@@ -45,6 +46,7 @@ FAMILY_LOADERS: dict[str, Callable] = {
     "eagle1": eagle1_proposer_from_checkpoint,
     "medusa": heads_proposer_from_checkpoint,
     "blockwise": heads_proposer_from_checkpoint,
+    "dflash": dflash_proposer_from_checkpoint,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before. EAGLE-3
@@ -52,6 +54,9 @@ FAMILY_LOADERS: dict[str, Callable] = {
 CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
     "sglang-eagle3": (lambda c: c.get("architectures") == ["LlamaForCausalLMEagle3"], eagle3_export_loader("sglang")),
     "vllm-eagle3": (lambda c: c.get("speculators_model_type") == "eagle3", eagle3_export_loader("vllm")),
+    "sglang-dflash": (lambda c: c.get("architectures") == ["DFlashDraftModel"] and "dflash_config" in c,
+                      dflash_export_loader("sglang")),
+    "vllm-dflash": (lambda c: c.get("speculators_model_type") == "dflash", dflash_export_loader("vllm")),
     "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
     # the EAGLE repository's configs may leave `bias` out (its loader then builds fc with one)
     "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("architectures") in (
