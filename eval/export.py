@@ -10,6 +10,8 @@
     medusa  Medusa / TGI layout (config.json + medusa_lm_head.safetensors), Medusa heads only
     eagle1  official EAGLE-1 layout (config.json + fc.*, layers.0.*), EAGLE-1 drafters trained with
             eagle1.feature=normed only
+A dflash checkpoint goes to sglang (SGLang's DFlash drafter: --speculative-algorithm DFLASH; full-vocabulary
+drafters only) or vllm (speculators' `dflash`; --target needed with a reduced vocabulary).
 
 Nothing is written when the checkpoint would load in the engine but lose acceptance (context
 length, vocabulary or layer ids that do not match the target, missing d2t / t2d, another
@@ -35,8 +37,9 @@ def parse_args(argv):
     p.add_argument("--target", default=None,
                    help="load this target and validate against it (short name, HF dir, .gguf)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    p.add_argument("--speculative-tokens", type=int, default=3,
-                   help="vllm: proposal_methods[0].speculative_tokens (vLLM's default depth)")
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="vllm: proposal_methods[0].speculative_tokens (default: 3, vLLM's default depth, for "
+                        "EAGLE-3; block_size - 1 for DFlash)")
     p.add_argument("--verifier", default=None,
                    help="vllm: verifier name_or_path to record; medusa: base_model_name_or_path "
                         "(default: the target's name, or its Hub id for the shipped targets)")

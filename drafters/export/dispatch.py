@@ -9,6 +9,8 @@
             checkpoints only (writer and independent reader: drafters.export.medusa)
     eagle1  official EAGLE-1 layout: config.json + fc.*, layers.0.*; eagle1 checkpoints trained on
             normed features only (writer and independent reader: drafters.export.eagle1)
+A dflash checkpoint exports to sglang (SGLang's DFlashDraftModel) and vllm (speculators' `dflash`) in the
+DFlash layouts instead (writer and independent reader: drafters.export.dflash).
 
 
 Knows nothing about training, targets' weights or decoding. Every format refuses, before anything
@@ -27,6 +29,7 @@ from drafters.checkpoint import save_checkpoint
 from drafters.export.check import check_export  # the independent reader of sglang / vllm / native
 from drafters.export.common import (DTYPES, ExportError, ExportResult, cast_floats, check_out_dir, exported_files,
                                     load_source, write_staged)
+from drafters.export.dflash import export_dflash
 from drafters.export.eagle1 import export_eagle1
 from drafters.export.eagle3 import preflight, write_eagle3
 from drafters.export.medusa import export_medusa
@@ -35,11 +38,16 @@ FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1")
 
 
 def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
-                      speculative_tokens: int = 3, verifier: str | None = None,
+                      speculative_tokens: int | None = None, verifier: str | None = None,
                       overwrite: bool = False) -> ExportResult:
-    """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
+    """target: a loaded drafters Target to validate against (else the checkpoint's target info).
+    speculative_tokens (vllm): None = 3 for EAGLE-3 (vLLM's default depth), block_size - 1 for DFlash."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if fmt in ("sglang", "vllm") and _family(ckpt_dir) == "dflash":  # the DFlash layouts of both engines
+        return export_dflash(ckpt_dir, fmt, out_dir, target=target, dtype=dtype, speculative_tokens=speculative_tokens,
+                             verifier=verifier, overwrite=overwrite)
+    speculative_tokens = 3 if speculative_tokens is None else speculative_tokens
     if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)
         return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
     if fmt == "eagle1":  # official EAGLE-1 layout: writer and independent reader in drafters.export.eagle1
@@ -63,6 +71,14 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
                         files=exported_files(out_dir))
 
+
+
+def _family(ckpt_dir) -> str | None:
+    # the checkpoint's family from its drafter.json; None when unreadable (load_source then says why)
+    try:
+        return json.loads((Path(ckpt_dir) / "drafter.json").read_text()).get("family")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _embedding(fmt: str, target, dtype: torch.dtype):

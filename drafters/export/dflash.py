@@ -1,0 +1,474 @@
+"""Export a DFlash drafter for SGLang and vLLM speculators, and read such exports back independently.
+
+    python eval/export.py outputs/dflash_smollm2/checkpoint-final --format sglang --out exports/dflash-sglang
+    python eval/export.py outputs/dflash_smollm2/checkpoint-final --format vllm --out exports/dflash-vllm \
+        --target smollm2-135m-instruct
+
+sglang  the DFlash reference layout SGLang's DFlashDraftModel loads (--speculative-algorithm DFLASH):
+        config.json = the drafter layers as Qwen3 fields (architectures ["DFlashDraftModel"], model_type
+        qwen3, num_hidden_layers = drafter layers, the target's vocab_size and max_position_embeddings,
+        layer_types full_attention: bidirectional), block_size, num_target_layers, and dflash_config
+        {mask_token_id, target_layer_ids, block_size}; model.safetensors = layers.{i}.*, fc.weight,
+        hidden_norm.weight, norm.weight. No embedding and no LM head: SGLang uses the target's, over the
+        FULL vocabulary, so only drafters trained with draft_vocab_size = the target's vocabulary export
+        (a reduced-vocabulary drafter never learnt to rank the other ids: SGLang would draft them anyway).
+vllm    speculators' `dflash` (vLLM reads it through its speculators config translation):
+        config.json {speculators_model_type dflash, architectures ["DFlashSpeculator"],
+        transformer_layer_config (Qwen3 fields), draft_vocab_size, block_size, target_hidden_size,
+        aux_hidden_state_layer_ids, mask_token_id, sample_from_anchor false, speculators_config};
+        model.safetensors = the same names, plus d2t, t2d and lm_head.weight (the target's head rows of the
+        draft vocabulary, so --target is needed) when the vocabulary is reduced; none of the three with the
+        full vocabulary (speculators then takes the verifier's head). No embedding (the verifier's).
+
+Layer ids (docs/conventions.md): inside this project HF hidden_states indices. speculators'
+aux_hidden_state_layer_ids are the same numbers (vLLM maps them to dflash_config.target_layer_ids =
+id - 1); SGLang's and the reference's dflash_config.target_layer_ids are "output of layer" ids: HF index - 1
+(the reference reads hidden_states[id + 1]).
+
+The writer stages into a temporary sibling directory; the reader below derives every name and shape from
+config.json alone and shares no table or helper with the writer; it rebuilds a DFlashDrafter and compares
+its draft logits with the source checkpoint's (the same stand-in head on both: the real one is the
+target's) before the directory is renamed into place.
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
+from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
+from drafters.draft_vocab import DraftVocab, DraftVocabError
+from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
+                                    exported_files, load_source, write_staged)
+from drafters.export.check import CheckReport, ExportCheckError, check_finite
+
+FORMATS = ("sglang", "vllm")
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+SPECULATORS_VERSION = "0.5.0"
+
+
+# ---- writer ---------------------------------------------------------------------------------------
+
+
+def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
+                  speculative_tokens: int | None = None, verifier: str | None = None,
+                  overwrite: bool = False) -> ExportResult:
+    """target: a loaded drafters Target to validate against (needed for vllm with a reduced vocabulary:
+    the export carries the target's LM head rows)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"a dflash checkpoint exports to {' / '.join(FORMATS)} or native, not {fmt!r}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, ckpt_dir, overwrite)
+    ckpt = load_source(ckpt_dir)
+    expected, c = preflight(ckpt, fmt, target)
+    tokens = c.block_size - 1 if speculative_tokens is None else speculative_tokens
+    if not 1 <= tokens <= c.block_size - 1:
+        raise ExportError(f"speculative_tokens={tokens}: a DFlash block of {c.block_size} drafts 1 .. "
+                          f"{c.block_size - 1} tokens")
+    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
+    full = c.draft_vocab_size == c.vocab_size
+    if fmt == "sglang":
+        config = sglang_config(c, expected["num_layers"], dtype)
+        tensors = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    else:
+        config = vllm_config(c, dtype, tokens, verifier or expected["name"], expected.get("architectures") or [])
+        tensors = {k: v for k, v in state.items() if not (full and k in ("d2t", "t2d"))}
+        if not full:
+            used = DraftVocab.from_state_dict(ckpt.state_dict).used
+            tensors["lm_head.weight"] = target.lm_head.weight.detach()[used.to(target.lm_head.weight.device)] \
+                .to("cpu", DTYPES[dtype])
+
+    def write(payload: Path) -> CheckReport:
+        payload.mkdir()
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, payload / WEIGHTS_FILE,
+                  metadata={"format": "pt"})
+        (payload / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        head = target.lm_head.weight if target is not None else None
+        return check_dflash_export(payload, fmt, target=expected, reference=ckpt, target_head=head)
+
+    report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)
+    report.path = out_dir
+    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
+                        files=exported_files(out_dir))
+
+
+def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConfig]:
+    """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
+    if ckpt.family != "dflash":
+        raise ExportError(f"{ckpt.path}: a {ckpt.family} checkpoint, not dflash")
+    if target is not None:
+        try:
+            check_target(ckpt, target)
+        except CheckpointError as err:
+            raise ExportError(str(err)) from None
+    expected = target_info(target) if target is not None else dict(ckpt.target)
+    try:
+        c = DFlashConfig(**ckpt.config)
+    except TypeError as err:
+        raise ExportError(f"{ckpt.path}: config is not a DFlashConfig ({err})") from None
+    problems = [f"{key}: drafter config {getattr(c, key)} != target {expected.get(key)} ({expected.get('name')!r})"
+                for key in ("hidden_size", "vocab_size", "max_position_embeddings")
+                if getattr(c, key) != expected.get(key)]
+    num_layers = expected.get("num_layers")
+    if not isinstance(num_layers, int):
+        problems.append("the checkpoint's target info lacks num_layers; pass --target NAME")
+    elif any(not 1 <= i <= num_layers - 1 for i in c.aux_layers):
+        problems.append(f"aux layers {c.aux_layers} (HF hidden_states indices) outside [1, {num_layers - 1}]: "
+                        "engines capture only the outputs of decoder layers 0..L-2")
+    if sorted(set(c.aux_layers)) != list(c.aux_layers):
+        problems.append(f"aux layers {c.aux_layers} must be distinct and ascending, the order fc was trained on")
+    if c.final_logit_softcapping is not None:
+        problems.append(f"final_logit_softcapping {c.final_logit_softcapping}: neither engine's DFlash head applies "
+                        "the target's logit softcap")
+    full = c.draft_vocab_size == c.vocab_size
+    if fmt == "sglang" and not full:
+        problems.append(f"draft_vocab_size {c.draft_vocab_size} < the target's {c.vocab_size}: SGLang's DFlash drafter "
+                        "scores every target id with the target's head, ids this drafter never learnt to rank "
+                        "included; retrain with draft_vocab_size equal to the target's vocabulary, or export --format "
+                        "vllm")
+    if fmt == "vllm" and not full and target is None:
+        problems.append("a reduced-vocabulary vllm export carries the target's LM head rows: pass --target NAME")
+    try:
+        DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path), draft_vocab_size=c.draft_vocab_size,
+                                   target_vocab_size=c.vocab_size)
+        DFlashDrafter(c).load_state_dict(ckpt.state_dict, strict=True)
+    except (DraftVocabError, RuntimeError) as err:
+        problems.append(f"the state dict does not fit its config: {err}")
+    if problems:
+        raise ExportError(f"refusing to export {ckpt.path} to {fmt}: an engine would load it and lose acceptance "
+                          "silently:\n  - " + "\n  - ".join(problems))
+    return expected, c
+
+
+def qwen3_layer_fields(c: DFlashConfig, dtype: str) -> dict:
+    """The drafter's layers as Qwen3Config fields (per-head q/k norms: Qwen3's attention)."""
+    return {
+        "model_type": "qwen3",
+        "num_hidden_layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "vocab_size": c.vocab_size,  # the target's: embedding and head are the target's
+        "max_position_embeddings": c.max_position_embeddings,  # the target's
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * c.num_hidden_layers,  # DFlash: full = bidirectional in the block
+        "tie_word_embeddings": False,
+        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+    }
+
+
+def sglang_config(c: DFlashConfig, target_layers: int, dtype: str) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        **qwen3_layer_fields(c, dtype),
+        "block_size": c.block_size,
+        "num_target_layers": target_layers,
+        "dflash_config": {
+            "mask_token_id": c.mask_token_id,
+            "target_layer_ids": [i - 1 for i in c.aux_layers],  # "output of layer" ids = HF index - 1
+            "block_size": c.block_size,
+        },
+    }
+
+
+def vllm_config(c: DFlashConfig, dtype: str, speculative_tokens: int, verifier: str,
+                verifier_architectures: list[str]) -> dict:
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": qwen3_layer_fields(c, dtype),
+        "draft_vocab_size": c.draft_vocab_size,
+        "block_size": c.block_size,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": list(c.aux_layers),  # HF indices; vLLM writes target_layer_ids = id - 1
+        "mask_token_id": c.mask_token_id,
+        "sample_from_anchor": False,  # slot 0 holds the anchor and predicts nothing (DSpark's is True)
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+    }
+
+
+# ---- independent reader ----------------------------------------------------------------------------
+
+
+def read_dflash_export(path, fmt: str, *, target: dict | None = None):
+    """Reads and validates an sglang / vllm DFlash export (ours or another trainer's) -> (DFlashConfig with
+    aux layers as HF indices, state dict in DFlashDrafter names with d2t / t2d (the identity map where the
+    export has none: full vocabulary), the export's LM head rows (Vd, h) or None (the target's head), the
+    layer ids as written, float dtype). Also how exported drafters are loaded to draft in the decoder."""
+    path = Path(path)
+    if fmt not in ("sglang", "vllm"):
+        raise ExportCheckError(f"unknown DFlash export format {fmt!r}: sglang or vllm")
+    where = str(path / CONFIG_FILE)
+    config = _json(path / CONFIG_FILE)
+    if fmt == "sglang":
+        _want(config, "architectures", list, where, equals=["DFlashDraftModel"])
+        layer, dflash = config, _want(config, "dflash_config", dict, where)
+        written = _ints(dflash, "target_layer_ids", f"{where} dflash_config")
+        aux = [i + 1 for i in written]  # SGLang / reference: hidden_states[id + 1]
+        mask_token = _want(dflash, "mask_token_id", int, f"{where} dflash_config")
+        block = _want(dflash, "block_size", int, f"{where} dflash_config") if "block_size" in dflash else \
+            _want(config, "block_size", int, where)
+        if "block_size" in config and config["block_size"] != block:
+            raise ExportCheckError(f"{where}: block_size {config['block_size']} and dflash_config.block_size {block} "
+                                   "disagree")
+        geometry = _qwen3_layers(layer, where)
+        draft_vocab = geometry["vocab_size"]  # the target's head over its whole vocabulary
+        if target is not None and config.get("num_target_layers", target["num_layers"]) != target["num_layers"]:
+            raise ExportCheckError(f"{where}: num_target_layers {config['num_target_layers']} but the target has "
+                                   f"{target['num_layers']}")
+    else:
+        if _want(config, "architectures", list, where) not in (["DFlashSpeculator"], ["DFlashDraftModel"]):
+            raise ExportCheckError(f"{where}: architectures {config['architectures']}, want ['DFlashSpeculator'] or "
+                                   "['DFlashDraftModel']")
+        _want(config, "speculators_model_type", str, where, equals="dflash")
+        _want(config, "speculators_version", str, where)
+        geometry = _qwen3_layers(_want(config, "transformer_layer_config", dict, where),
+                                 f"{where} transformer_layer_config")
+        draft_vocab = _want(config, "draft_vocab_size", int, where)
+        block = _want(config, "block_size", int, where)
+        written = _ints(config, "aux_hidden_state_layer_ids", where)
+        aux = list(written)
+        mask_token = _want(config, "mask_token_id", int, where)
+        if config.get("sample_from_anchor", False) is not False:
+            raise ExportCheckError(f"{where}: sample_from_anchor = {config['sample_from_anchor']!r}: slot 0 predicts "
+                                   "a token there (DSpark's layout); this DFlash drafter's slot 0 is the anchor")
+        if config.get("projector_type", "dflash") != "dflash" or config.get("shift_label") not in (None, False):
+            raise ExportCheckError(f"{where}: projector_type {config.get('projector_type')!r} / shift_label "
+                                   f"{config.get('shift_label')!r}: a Domino drafter, not DFlash")
+        if config.get("target_hidden_size") is not None:
+            _want(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+        spec = _want(config, "speculators_config", dict, where)
+        _want(spec, "algorithm", str, f"{where} speculators_config", equals="dflash")
+        methods = _want(spec, "proposal_methods", list, f"{where} speculators_config")
+        if not methods or not all(isinstance(m, dict) and isinstance(m.get("speculative_tokens"), int)
+                                  and 1 <= m["speculative_tokens"] <= block - 1 for m in methods):
+            raise ExportCheckError(f"{where} speculators_config: proposal_methods must give speculative_tokens in "
+                                   f"1..{block - 1} (block_size - 1)")
+        verifier = _want(spec, "verifier", dict, f"{where} speculators_config")
+        _want(verifier, "name_or_path", str, f"{where} speculators_config verifier")
+    if not 0 <= mask_token < geometry["vocab_size"]:
+        raise ExportCheckError(f"{where}: mask_token_id {mask_token} is not a token id (vocab {geometry['vocab_size']})")
+    if block < 2:
+        raise ExportCheckError(f"{where}: block_size {block} must be >= 2")
+    config_dtype = geometry.pop("torch_dtype")
+    if target is not None:
+        for key in ("hidden_size", "vocab_size", "max_position_embeddings"):
+            if geometry[key] != target[key]:
+                raise ExportCheckError(f"{where}: {key} = {geometry[key]} but the target has {target[key]}; the "
+                                       "drafter would run with lost acceptance")
+        if not all(1 <= i <= target["num_layers"] - 1 for i in aux):
+            raise ExportCheckError(f"{where}: aux layers (HF indices) {aux} outside [1, {target['num_layers'] - 1}] "
+                                   f"for the {target['num_layers']}-layer target")
+    c = DFlashConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
+                     aux_layers=aux)
+    tensors = _tensors(path / WEIGHTS_FILE)
+    head, dtype = _check_dflash_tensors(tensors, c, config_dtype, fmt, path / WEIGHTS_FILE)
+    if "d2t" not in tensors:  # full vocabulary: draft id i = target id i
+        tensors["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+    return c, tensors, head, written, dtype
+
+
+def _json(file: Path) -> dict:
+    if not file.is_file():
+        raise ExportCheckError(f"{file} is missing")
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ExportCheckError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ExportCheckError(f"{file}: want a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _want(config: dict, key: str, kind, where: str, *, equals=None):
+    if key not in config:
+        raise ExportCheckError(f"{where}: required field {key!r} is missing")
+    value, kinds = config[key], kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        raise ExportCheckError(f"{where}: field {key!r} = {value!r} has the wrong type")
+    if equals is not None and value != equals:
+        raise ExportCheckError(f"{where}: field {key!r} = {value!r}, the format requires {equals!r}")
+    return value
+
+
+def _ints(config: dict, key: str, where: str) -> list[int]:
+    value = _want(config, key, list, where)
+    if not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ExportCheckError(f"{where}: {key!r} = {value!r} should be a non-empty int list")
+    return value
+
+
+def _qwen3_layers(config: dict, where: str) -> dict:
+    _want(config, "model_type", str, where, equals="qwen3")
+    if config.get("tie_word_embeddings", False) is not False:
+        raise ExportCheckError(f"{where}: tie_word_embeddings = {config['tie_word_embeddings']!r}: the drafter has "
+                               "no embedding of its own to tie")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag, False) is not False:
+            raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter's layers have no biases")
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types) or config.get("use_sliding_window", False):
+        raise ExportCheckError(f"{where}: sliding-window draft layers ({layer_types}): this project's DFlash "
+                               "layers see the whole context")
+    g = {key: _want(config, key, int, where) for key in (
+        "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "max_position_embeddings")}
+    if layer_types and len(layer_types) != g["num_hidden_layers"]:
+        raise ExportCheckError(f"{where}: {len(layer_types)} layer_types for {g['num_hidden_layers']} layers")
+    if "rope_theta" in config or "rope_parameters" not in config:
+        rope = {"rope_theta": float(_want(config, "rope_theta", (int, float), where)),
+                "rope_scaling": _want(config, "rope_scaling", (dict, type(None)), where)}
+    else:  # transformers 5.x saves rope_parameters {rope_type, rope_theta, ...}
+        params = dict(_want(config, "rope_parameters", dict, where))
+        theta = params.pop("rope_theta", None)
+        if not isinstance(theta, (int, float)):
+            raise ExportCheckError(f"{where}: rope_parameters has no rope_theta")
+        rope = {"rope_theta": float(theta),
+                "rope_scaling": params if params.get("rope_type", "default") != "default" else None}
+    dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
+    return {**g, **rope, "rms_norm_eps": _want(config, "rms_norm_eps", float, where),
+            "hidden_act": _want(config, "hidden_act", str, where),
+            "torch_dtype": config.get(dtype_key)}
+
+
+def _tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise ExportCheckError(f"{file} is missing")
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def dflash_shapes(c: DFlashConfig, fmt: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor a DFlash export holds, shaped from the config alone."""
+    h, d, heads, kv, inter = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, \
+        c.intermediate_size
+    shapes = {"fc.weight": (h, len(c.aux_layers) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * d, h),  # the h-wide normed block stream
+            p + "self_attn.k_proj.weight": (kv * d, h),  # block stream and context c_t alike
+            p + "self_attn.v_proj.weight": (kv * d, h),
+            p + "self_attn.o_proj.weight": (h, heads * d),
+            p + "self_attn.q_norm.weight": (d,),  # per head
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    if fmt == "vllm" and c.draft_vocab_size != c.vocab_size:
+        shapes |= {"lm_head.weight": (c.draft_vocab_size, h), "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    return shapes
+
+
+def _check_dflash_tensors(tensors: dict, c: DFlashConfig, config_dtype, fmt: str, where: Path):
+    check_finite(tensors, where)
+    shapes = dflash_shapes(c, fmt)
+    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise ExportCheckError(f"{where}: tensor names do not match the {fmt} DFlash layout: missing {missing}, "
+                               f"unexpected {unexpected}")
+    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
+    if wrong:
+        raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
+    if "d2t" in tensors:
+        if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
+            raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got {tensors['d2t'].dtype} / "
+                                   f"{tensors['t2d'].dtype}")
+        kept = torch.arange(c.draft_vocab_size) + tensors["d2t"]  # target id = draft id + d2t[draft id]
+        if int(tensors["t2d"].sum()) != c.draft_vocab_size or bool((kept[1:] <= kept[:-1]).any()) or \
+                int(kept.min()) < 0 or int(kept.max()) >= c.vocab_size or not bool(tensors["t2d"][kept].all()):
+            raise ExportCheckError(f"{where}: d2t and t2d do not describe one ascending draft vocabulary")
+    floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if len(floats) != 1 or not floats <= set(names.values()):
+        raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16, got "
+                               f"{sorted(map(str, floats))}")
+    dtype = floats.pop()
+    if config_dtype is not None and names.get(config_dtype) != dtype:
+        raise ExportCheckError(f"{where}: config.json says torch_dtype {config_dtype!r} but the weights are {dtype}")
+    return tensors.pop("lm_head.weight", None), dtype
+
+
+def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference: Checkpoint | None = None,
+                        target_head: torch.Tensor | None = None, seed: int = 0) -> CheckReport:
+    """Validates the files; with `reference`, a drafter rebuilt from them must give the source's draft logits
+    (weights rounded to the export dtype) within 1e-5, both scored by the same stand-in head; an exported LM
+    head must equal `target_head`'s rows of the draft vocabulary (in the export dtype)."""
+    path = Path(path)
+    c, state, head, written, dtype = read_dflash_export(path, fmt, target=target)
+    rebuilt = _rebuild(c, state, path)
+    diffs = (None, None)
+    if head is not None and target_head is not None:
+        want = target_head.detach().cpu()[rebuilt.draft_vocab.used].to(dtype)
+        if not torch.equal(head, want):
+            raise ExportCheckError(f"{path}: lm_head.weight is not the target's LM head rows of the draft vocabulary")
+    if reference is not None:
+        source = DFlashConfig(**reference.config)
+        if asdict(source) != asdict(c):
+            wrong = {k: (v, getattr(c, k)) for k, v in asdict(source).items() if getattr(c, k) != v}
+            raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
+        for key in ("d2t", "t2d"):
+            if not torch.equal(state[key], reference.state_dict[key]):
+                raise ExportCheckError(f"{path}: {key} differs from the source checkpoint's draft vocabulary")
+        rounded = {k: v.to(dtype) if v.is_floating_point() else v for k, v in reference.state_dict.items()}
+        got = _draft_logits(rebuilt, seed)
+        want = _draft_logits(_rebuild(c, rounded, path), seed)
+        unrounded = _draft_logits(_rebuild(c, reference.state_dict, path), seed)
+        diff = (got - want).abs().max().item()
+        if not diff <= 1e-5:  # NaN fails too
+            raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives draft logits up to {diff:.3g} "
+                                   "away from the source checkpoint's (atol 1e-5)")
+        diffs = (diff, (got - unrounded).abs().max().item())
+    return CheckReport(path, fmt, "dflash", c.aux_layers, written, str(dtype), len(state), *diffs)
+
+
+def _rebuild(c: DFlashConfig, state: dict, where: Path) -> DFlashDrafter:
+    try:
+        vocab = DraftVocab.from_state_dict(state, source=str(where))
+        drafter = DFlashDrafter(c, vocab)
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    except (DraftVocabError, RuntimeError, ValueError) as err:
+        raise ExportCheckError(f"{where}: the tensors do not load into a DFlashDrafter: {err}") from None
+    return drafter.eval()
+
+
+@torch.no_grad()
+def _draft_logits(drafter: DFlashDrafter, seed: int, context: int = 7) -> torch.Tensor:
+    """Random fused features as the context, one block, scored by a random stand-in head and embedding
+    (the real ones are the target's) -> (Bk-1, Vd) logits."""
+    c = drafter.config
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    embed.weight.copy_(torch.randn(c.vocab_size, c.hidden_size, generator=gen))
+    drafter.attach_head(torch.randn(c.vocab_size, c.hidden_size, generator=gen))
+    features = torch.randn(1, context, len(c.aux_layers) * c.hidden_size, generator=gen)
+    cache = DFlashCache()
+    drafter.extend_context(features, cache)
+    pending = torch.randint(0, c.vocab_size, (1,), generator=gen)
+    return drafter.draft(pending, embed, cache)[1][0]
