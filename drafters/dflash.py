@@ -29,17 +29,15 @@ hidden); the target features enter as keys / values of every layer (after fc + h
 as the residual stream; Qwen3-style per-head q/k norms; any number of layers; the LM head is the
 target's own (frozen, draft-vocabulary rows), not a trained copy.
 
-Training (`block_forward`, `sample_anchors`): several blocks per row at random anchors a, anchor
-eligible iff loss_mask[a] = loss_mask[a+1] = 1; block slot j's label is the target's row a+j-1 (its
-distribution over token a+j), counted iff loss_mask[a+j] = 1, a+j inside the row, and the target's
-full-vocabulary argmax is in the draft vocabulary (as EAGLE-3); per-slot weight
-w_j = exp(-(j-1) / gamma); loss = sum_j w_j CE_j / sum_j w_j (weighted mean over counted slots).
+Training (`block_unroll`, `sample_anchors`, `block_label_rows`): several blocks per row at random
+anchors a, anchor eligible iff loss_mask[a] = loss_mask[a+1] = 1; block slot j's label is the target's
+row a+j-1 (its distribution over token a+j), counted iff loss_mask[a+j] = 1 and a+j is inside the row.
+The objective (per-slot weights, soft labels over the draft vocabulary) is drafters.training.dflash's.
 """
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -51,10 +49,8 @@ from transformers.models.llama.modeling_llama import (
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle3 import Eagle3Drafter
 from drafters.layers import DraftAttention, llama_config, target_layer_fields
-from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
-LABELS = ("soft", "argmax")
 
 
 @dataclass
@@ -101,12 +97,6 @@ class DFlashConfig:
         softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         return cls(**fields, draft_vocab_size=draft_vocab_size, num_hidden_layers=num_layers, block_size=block_size,
                    mask_token_id=mask_token_id, aux_layers=layers, final_logit_softcapping=softcap)
-
-
-def decay_weights(block_size: int, gamma: float, device=None) -> Tensor:
-    """(B,) per-slot loss weights: w_0 = 0 (the anchor predicts nothing), w_j = exp(-(j-1) / gamma)."""
-    j = torch.arange(block_size, device=device, dtype=torch.float32)
-    return torch.where(j > 0, torch.exp(-(j - 1).clamp(min=0) / gamma), 0.0)
 
 
 # ---- the layers ---------------------------------------------------------------------------------
@@ -169,7 +159,7 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# ---- training: anchors, labels ------------------------------------------------------------------
+# ---- training inputs: anchors, blocks, labels ------------------------------------------------------------------
 
 
 def eligible_anchors(loss_mask: Tensor) -> Tensor:
@@ -223,15 +213,21 @@ def block_attention_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_size
     return torch.cat([context, own], dim=2)[:, None]
 
 
-@dataclass
-class BlockOutput:
-    loss: Tensor  # () weighted mean over counted slots: sum_j w_j sum CE_j / sum_j w_j count_j
-    step_losses: Tensor  # (Bk-1,) mean CE of slot j = 1..Bk-1 (unweighted), what metrics.jsonl logs
-    step_accuracies: Tensor  # (Bk-1,) top-1 of slot j against the target's argmax, over counted slots
-    step_counts: Tensor  # (Bk-1,) counted slots j
-    step_supervised: Tensor  # (Bk-1,) supervised slots j (counted + those whose target argmax is outside the vocab)
-    logits: Tensor | None = None  # if asked: (B, N, Bk-1, Vd) draft logits of slots 1..Bk-1
-    labels: Tensor | None = None  # if asked: (B, N, Bk-1) draft id of the target argmax, -1 = not counted
+# Labels: slot j (1 <= j <= Bk-1) of the block at a drafts token a+j; the target's logits at row a+j-1 are
+# its distribution over token a+j, so the label of slot j is target row a+j-1. It counts iff token a+j is
+# learnt (loss_mask[a+j] = 1; drafters.training.data), inside the row, and the block is kept.
+
+def block_label_rows(anchors: Tensor, block_size: int) -> Tensor:
+    """-> (B, N, Bk-1) target row a+j-1 labelling slot j = 1..Bk-1 of each block."""
+    return anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)
+
+
+def block_label_mask(anchors: Tensor, keep: Tensor, loss_mask: Tensor, block_size: int) -> Tensor:
+    """-> (B, N, Bk-1) bool: slot j's label counts (token a+j learnt, inside the row, block kept)."""
+    seq_len = loss_mask.shape[1]
+    token = block_label_rows(anchors, block_size) + 1  # (B, N, Bk-1): a + j
+    learnt = loss_mask.gather(1, token.clamp(max=seq_len - 1).flatten(1)).view_as(token).bool()
+    return keep[..., None] & (token < seq_len) & learnt
 
 
 # ---- the drafter --------------------------------------------------------------------------------
@@ -325,16 +321,12 @@ class DFlashDrafter(nn.Module):
 
     # ---- training
 
-    def block_forward(self, features, input_ids, target_logits, loss_mask, embed, anchors, keep, *,
-                      gamma: float = 4.0, labels: str = "soft", return_logits: bool = False) -> BlockOutput:
-        """All blocks of a batch in one pass. Inputs aligned with the sequence the target read (rows
-        right-padded, nothing shifted): features (B, T, n*h) fused at positions t; input_ids (B, T);
-        target_logits (B, T, V) or drafters.losses.LabelLogits (read at label rows only); loss_mask (B, T),
-        loss_mask[s] = 1 iff token s is learnt; anchors, keep (B, N) from `sample_anchors`.
-        labels "soft": CE against the target distribution renormalised over the draft vocabulary;
-        "argmax": CE against the target's argmax (one-hot). return_logits keeps every slot's logits."""
-        if labels not in LABELS:
-            raise ValueError(f"labels={labels!r}: use one of {', '.join(LABELS)}")
+    def block_unroll(self, features, input_ids, embed, anchors, keep) -> Tensor:
+        """All blocks of a batch in one pass (the training forward). Inputs aligned with the sequence the
+        target read (rows right-padded, nothing shifted): features (B, T, n*h) fused at positions t;
+        input_ids (B, T); anchors, keep (B, N) from `sample_anchors`. -> normed outputs (B, N, Bk, h), the
+        LM head's input; slot j of block n drafts token anchors[n] + j (label rows: `block_label_rows`).
+        The objective (drafters.training.dflash.block_loss) scores slots 1..Bk-1."""
         c, device = self.config, input_ids.device
         batch, seq_len = input_ids.shape
         bk, n = c.block_size, anchors.shape[1]
@@ -343,64 +335,7 @@ class DFlashDrafter(nn.Module):
         embeds = self.embed_ids(embed, ids.flatten(1))  # (B, N*Bk, h)
         positions = block_positions(anchors, bk).flatten(1)  # (B, N*Bk)
         mask = block_attention_mask(anchors, keep, seq_len, bk)  # (B, 1, N*Bk, T + N*Bk)
-        normed = self.run_block(embeds, positions, ctx, mask).view(batch, n, bk, -1)[:, :, 1:]  # (B, N, Bk-1, h)
-
-        # labels: slot j of the block at a reads target row r = a+j-1 (its distribution over token a+j)
-        rows = anchors[..., None] + torch.arange(bk - 1, device=device)  # (B, N, Bk-1), r = a + j - 1
-        inside = rows + 1 < seq_len
-        learnt = loss_mask.gather(1, (rows + 1).clamp(max=seq_len - 1).flatten(1)).view_as(rows).bool()
-        wanted = keep[..., None] & inside & learnt  # (B, N, Bk-1)
-        index, (target_p, argmax_draft) = self._label_rows(target_logits, rows, wanted, seq_len)
-        counted = index >= 0  # wanted AND the target's argmax is in the draft vocab
-        if labels == "argmax":
-            target_p = F.one_hot(argmax_draft, c.draft_vocab_size).float()
-
-        weights = decay_weights(bk, gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
-        counts = counted.sum(dim=(0, 1))  # (Bk-1,)
-        total = (weights * counts).sum().clamp(min=1e-12)  # sum_j w_j count_j
-        fused = not return_logits and c.final_logit_softcapping is None
-        losses, accuracies, all_logits = [], [], []
-        for j in range(bk - 1):  # slot j+1
-            rows_j = index[:, :, j][counted[:, :, j]]  # (M_j,) into target_p / argmax_draft
-            p, want = target_p[rows_j], argmax_draft[rows_j]  # (M_j, Vd), (M_j,)
-            scale = total / weights[j]  # loss_j = w_j sum CE / total
-            if fused:  # LM head fused into the loss: no (M_j, Vd) logits kept for backward
-                loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted[:, :, j]], self.head, p, want,
-                                                         num_positions=scale)
-            else:
-                logits = self.compute_logits(normed[:, :, j])  # (B, N, Vd)
-                if return_logits:
-                    all_logits.append(logits)
-                ones = torch.ones_like(want, dtype=torch.bool)
-                loss, acc, _ = soft_cross_entropy(logits[counted[:, :, j]], p, ones, want, ones, num_positions=scale)
-            losses.append(loss)
-            accuracies.append(acc)
-        step_losses = torch.stack(losses)  # (Bk-1,) weighted shares of the loss
-        with torch.no_grad():
-            mean_ce = step_losses.detach() * total / (weights * counts.clamp(min=1))
-        label_ids = None
-        if return_logits:  # draft id of the target argmax where counted, else -1
-            label_ids = torch.full_like(index, -1)
-            label_ids[counted] = argmax_draft[index[counted]]
-        return BlockOutput(loss=step_losses.sum(), step_losses=mean_ce, step_accuracies=torch.stack(accuracies),
-                           step_counts=counts, step_supervised=wanted.sum(dim=(0, 1)),
-                           logits=torch.stack(all_logits, 2) if return_logits else None, labels=label_ids)
-
-    def _label_rows(self, target_logits, rows: Tensor, wanted: Tensor, seq_len: int):
-        """The target side of the loss, computed once per distinct row: -> index (B, N, Bk-1) into the
-        two tensors (-1 = not counted: not wanted, or the target's full-vocab argmax is outside the draft
-        vocab), target_p (R, Vd) float32, argmax_draft (R,) long (`draft_vocab_targets`)."""
-        batch = rows.shape[0]
-        needed = torch.zeros(batch, seq_len, dtype=torch.bool, device=rows.device)
-        b = torch.arange(batch, device=rows.device)[:, None, None].expand_as(rows)
-        needed[b[wanted], rows[wanted]] = True
-        target_p, in_vocab, argmax_draft = draft_vocab_targets(target_logits[needed], self.t2d,
-                                                               self.config.draft_vocab_size)
-        scored = torch.zeros_like(needed)
-        scored[needed] = in_vocab
-        row_index = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
-        index = torch.where(wanted, row_index[b, rows.clamp(max=seq_len - 1)], -1)
-        return index, (target_p[in_vocab], argmax_draft[in_vocab])
+        return self.run_block(embeds, positions, ctx, mask).view(batch, n, bk, -1)
 
     # ---- inference: the same computation, one block at a time, context keys cached
 

@@ -1,4 +1,4 @@
-"""DFlash drafter (drafters.dflash) and its training through train/eagle.py: all blocks of a batch in one
+"""DFlash drafter (drafters.dflash), its objective (drafters.training.dflash) and its training through train/eagle.py: all blocks of a batch in one
 pass == one block at a time on a cached context (the decoding path), and a leaky mask is caught; labels,
 anchors and slot weights on hand-made inputs; the fused loss == the logits path == a hand computation;
 golden losses of recipes/dflash_tiny.yaml, frozen target, checkpoint round trip, metrics, recipe checks."""
@@ -19,12 +19,12 @@ from drafters.dflash import (
     DFlashConfig,
     DFlashDrafter,
     block_attention_mask,
-    decay_weights,
     eligible_anchors,
     sample_anchors,
 )
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle3 import fuse_features
+from drafters.training.dflash import block_loss, decay_weights
 from drafters.training.recipe import RecipeError
 from drafters.tiny import build_tiny_target
 from conftest import load_script  # tests/ is on sys.path under pytest
@@ -75,7 +75,7 @@ def one_block_at_a_time(drafter, features, ids, embed, b, a):
 def test_blocks_in_one_pass_equal_one_block_at_a_time_with_a_cached_context(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed = model.get_input_embeddings()
-    out = drafter.block_forward(features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
+    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
     assert out.logits.shape == (2, anchors.shape[1], BLOCK - 1, 64)
     checked = 0
     for b in range(2):
@@ -107,7 +107,7 @@ def test_the_comparison_catches_a_wrong_training_mask(setup, wrong_mask, monkeyp
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed = model.get_input_embeddings()
     monkeypatch.setattr(dflash, "block_attention_mask", wrong_mask)
-    out = drafter.block_forward(features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
+    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
     worst = max(float((out.logits[b, n] - one_block_at_a_time(drafter, features, ids, embed, b, int(anchors[b, n])))
                       .abs().max()) for b in range(2) for n in range(anchors.shape[1]) if keep[b, n])
     assert worst > 1e-2
@@ -164,13 +164,13 @@ def test_labels_are_the_targets_rows_before_each_slot(tiny_llama):
     target_logits[0, torch.arange(10), 10 + torch.arange(10)] = 5.0
     features = torch.randn(1, 10, 3 * 64)
     anchors, keep = torch.tensor([[2, 5]]), torch.tensor([[True, True]])
-    out = drafter.block_forward(features, ids, target_logits, loss_mask, model.get_input_embeddings(), anchors,
+    out = block_loss(drafter, features, ids, target_logits, loss_mask, model.get_input_embeddings(), anchors,
                                 keep, return_logits=True)
     # block at 2: slots 1..3 -> tokens 3, 4, 5 (all learnt) -> rows 2, 3, 4
     # block at 5: slots 1..3 -> tokens 6, 7, 8 (learnt) -> rows 5, 6, 7
     assert out.labels[0].tolist() == [[12, 13, 14], [15, 16, 17]]
     loss_mask[0, 7] = 0  # token 7 no longer learnt: slot 2 of the block at 5 is not counted
-    out = drafter.block_forward(features, ids, target_logits, loss_mask, model.get_input_embeddings(), anchors,
+    out = block_loss(drafter, features, ids, target_logits, loss_mask, model.get_input_embeddings(), anchors,
                                 keep, return_logits=True)
     assert out.labels[0].tolist() == [[12, 13, 14], [15, -1, 17]]
     assert out.step_counts.tolist() == [2, 1, 2] and out.step_supervised.tolist() == [2, 1, 2]
@@ -184,8 +184,8 @@ def test_fused_loss_equals_the_logits_path_and_a_hand_computation(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     drafter = make_drafter(model, draft_vocab=VOCAB)  # every target argmax is in the vocabulary: all counted
     embed, gamma = model.get_input_embeddings(), 2.0
-    fused = drafter.block_forward(features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma)
-    plain = drafter.block_forward(features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma,
+    fused = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma)
+    plain = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma,
                                   return_logits=True)
     torch.testing.assert_close(fused.loss, plain.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.step_losses, plain.step_losses, atol=1e-5, rtol=1e-5)
@@ -203,7 +203,7 @@ def test_fused_loss_equals_the_logits_path_and_a_hand_computation(setup):
                 num, den = num + math.exp(-(j - 1) / gamma) * ce, den + math.exp(-(j - 1) / gamma)
     assert den > 0
     torch.testing.assert_close(plain.loss, torch.as_tensor(num / den, dtype=torch.float32), atol=1e-5, rtol=1e-5)
-    hard = drafter.block_forward(features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma,
+    hard = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma,
                                  labels="argmax")  # CE against the one-hot target argmax: another loss
     assert not torch.isclose(hard.loss, plain.loss) and hard.loss > 0
 

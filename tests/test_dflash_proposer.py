@@ -23,6 +23,7 @@ from drafters.decode.proposers.dflash import load_dflash_proposer
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import Target, TargetFeatures
+from drafters.training.dflash import block_loss
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
 from test_sampling import chi_square_pvalue  # tests/ is on sys.path under pytest
@@ -61,7 +62,7 @@ def train_drafter(target, sequences, steps=120) -> DFlashDrafter:
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
         anchors, keep = sample_anchors(loss_mask, 16, generator)
-        loss = drafter.block_forward(features, sequences, out.logits, loss_mask, target.embed_tokens, anchors, keep,
+        loss = block_loss(drafter, features, sequences, out.logits, loss_mask, target.embed_tokens, anchors, keep,
                                      gamma=4.0).loss
         optimizer.zero_grad()
         loss.backward()

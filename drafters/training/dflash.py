@@ -1,5 +1,7 @@
 """DFlash pieces of train/eagle.py (drafter: dflash): its recipe section, the mask token, the objective
-accelerate prepares (anchors drawn from a generator whose state is checkpointed), the held-out evaluation.
+(`block_loss`: drafters.dflash's block_unroll scored per slot with decaying weights; `DFlashObjective`, what
+accelerate prepares, draws the anchors from a generator whose state is checkpointed), the held-out
+evaluation.
 The loop, logging, checkpointing and target inputs (fused aux layers + soft labels, online or from the
 EAGLE-3 feature store) are train/eagle.py's and drafters.training.loop's, shared with EAGLE-3.
 """
@@ -8,10 +10,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from drafters.dflash import LABELS, BlockOutput, DFlashConfig, DFlashDrafter, sample_anchors
+from drafters.dflash import DFlashConfig, DFlashDrafter, block_label_mask, block_label_rows, sample_anchors
 from drafters.draft_vocab import DraftVocab
+from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
+
+LABELS = ("soft", "argmax")
 
 
 @dataclass
@@ -68,6 +74,95 @@ def build_dflash_drafter(recipe, target, vocab: DraftVocab, mask_token_id: int) 
     return drafter.attach_head(target.lm_head.weight.float())
 
 
+# ---- the objective ----------------------------------------------------------------------------------
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> Tensor:
+    """(B,) per-slot loss weights: w_0 = 0 (the anchor predicts nothing), w_j = exp(-(j-1) / gamma)."""
+    j = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(j > 0, torch.exp(-(j - 1).clamp(min=0) / gamma), 0.0)
+
+
+@dataclass
+class BlockOutput:
+    loss: Tensor  # () weighted mean over counted slots: sum_j w_j sum CE_j / sum_j w_j count_j
+    step_losses: Tensor  # (Bk-1,) mean CE of slot j = 1..Bk-1 (unweighted), what metrics.jsonl logs
+    step_accuracies: Tensor  # (Bk-1,) top-1 of slot j against the target's argmax, over counted slots
+    step_counts: Tensor  # (Bk-1,) counted slots j
+    step_supervised: Tensor  # (Bk-1,) supervised slots j (counted + those whose target argmax is outside the vocab)
+    logits: Tensor | None = None  # if asked: (B, N, Bk-1, Vd) draft logits of slots 1..Bk-1
+    labels: Tensor | None = None  # if asked: (B, N, Bk-1) draft id of the target argmax, -1 = not counted
+
+
+def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep, *,
+               gamma: float = 4.0, labels: str = "soft", return_logits: bool = False) -> BlockOutput:
+    """The DFlash objective on one batch: drafter.block_unroll's blocks, slot j = 1..Bk-1 scored against the
+    target's row a+j-1 (drafters.dflash.block_label_rows / block_label_mask) and weighted w_j =
+    exp(-(j-1) / gamma); loss = sum_j w_j sum CE_j / sum_j w_j count_j. target_logits (B, T, V) or
+    drafters.losses.LabelLogits (read at label rows only). labels "soft": CE against the target distribution
+    renormalised over the draft vocabulary; "argmax": CE against the target's argmax (one-hot). A label
+    whose full-vocabulary target argmax is outside the draft vocabulary is not counted (as EAGLE-3).
+    return_logits keeps every slot's logits (tests, evaluation)."""
+    if labels not in LABELS:
+        raise ValueError(f"labels={labels!r}: use one of {', '.join(LABELS)}")
+    c, device = drafter.config, input_ids.device
+    bk, seq_len = c.block_size, input_ids.shape[1]
+    normed = drafter.block_unroll(features, input_ids, embed, anchors, keep)[:, :, 1:]  # (B, N, Bk-1, h)
+    rows = block_label_rows(anchors, bk)  # (B, N, Bk-1): target row a+j-1 labels slot j
+    wanted = block_label_mask(anchors, keep, loss_mask, bk)  # (B, N, Bk-1)
+    index, (target_p, argmax_draft) = supervised_block_targets(drafter, target_logits, rows, wanted, seq_len)
+    counted = index >= 0  # wanted AND the target's argmax is in the draft vocab
+    if labels == "argmax":
+        target_p = F.one_hot(argmax_draft, c.draft_vocab_size).float()
+    weights = decay_weights(bk, gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
+    counts = counted.sum(dim=(0, 1))  # (Bk-1,)
+    total = (weights * counts).sum().clamp(min=1e-12)  # sum_j w_j count_j
+    fused = not return_logits and c.final_logit_softcapping is None
+    losses, accuracies, all_logits = [], [], []
+    for j in range(bk - 1):  # slot j+1
+        rows_j = index[:, :, j][counted[:, :, j]]  # (M_j,) into target_p / argmax_draft
+        p, want = target_p[rows_j], argmax_draft[rows_j]  # (M_j, Vd), (M_j,)
+        scale = total / weights[j]  # loss_j = w_j sum CE / total
+        if fused:  # the frozen head fused into the loss: no (M_j, Vd) logits kept for backward
+            loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted[:, :, j]], drafter.head, p, want,
+                                                     num_positions=scale)
+        else:
+            logits = drafter.compute_logits(normed[:, :, j])  # (B, N, Vd)
+            if return_logits:
+                all_logits.append(logits)
+            ones = torch.ones_like(want, dtype=torch.bool)
+            loss, acc, _ = soft_cross_entropy(logits[counted[:, :, j]], p, ones, want, ones, num_positions=scale)
+        losses.append(loss)
+        accuracies.append(acc)
+    step_losses = torch.stack(losses)  # (Bk-1,) weighted shares of the loss
+    with torch.no_grad():
+        mean_ce = step_losses.detach() * total / (weights * counts.clamp(min=1))
+    label_ids = None
+    if return_logits:  # draft id of the target argmax where counted, else -1
+        label_ids = torch.full_like(index, -1)
+        label_ids[counted] = argmax_draft[index[counted]]
+    return BlockOutput(loss=step_losses.sum(), step_losses=mean_ce, step_accuracies=torch.stack(accuracies),
+                       step_counts=counts, step_supervised=wanted.sum(dim=(0, 1)),
+                       logits=torch.stack(all_logits, 2) if return_logits else None, labels=label_ids)
+
+
+def supervised_block_targets(drafter: DFlashDrafter, target_logits, rows: Tensor, wanted: Tensor, seq_len: int):
+    """The target side of the loss, computed once per distinct row: -> index (B, N, Bk-1) into the two
+    tensors (-1 = not counted: not wanted, or the target's full-vocab argmax is outside the draft vocab),
+    target_p (R, Vd) float32, argmax_draft (R,) long (`draft_vocab_targets`)."""
+    batch = rows.shape[0]
+    needed = torch.zeros(batch, seq_len, dtype=torch.bool, device=rows.device)
+    b = torch.arange(batch, device=rows.device)[:, None, None].expand_as(rows)
+    needed[b[wanted], rows[wanted]] = True
+    target_p, in_vocab, argmax_draft = draft_vocab_targets(target_logits[needed], drafter.t2d,
+                                                           drafter.config.draft_vocab_size)
+    scored = torch.zeros_like(needed)
+    scored[needed] = in_vocab
+    row_index = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
+    index = torch.where(wanted, row_index[b, rows.clamp(max=seq_len - 1)], -1)
+    return index, (target_p[in_vocab], argmax_draft[in_vocab])
+
+
 class DFlashObjective(nn.Module):
     """What accelerate prepares: the anchored-block loss of `drafter` on one batch (same call signature as
     Eagle3Objective). Anchors come from a CPU generator seeded with the recipe's seed whose state is a
@@ -85,8 +180,8 @@ class DFlashObjective(nn.Module):
         anchors, keep = sample_anchors(loss_mask, self.options.anchors, generator)
         self.anchor_generator.copy_(generator.get_state())
         o = self.options
-        return self.drafter.block_forward(features, input_ids, target_logits, loss_mask, embed, anchors, keep,
-                                          gamma=o.gamma, labels=o.labels)
+        return block_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep,
+                          gamma=o.gamma, labels=o.labels)
 
 
 @torch.no_grad()
@@ -109,8 +204,8 @@ def evaluate_dflash(drafter: DFlashDrafter, inputs, embed, batches: list[dict], 
         features, target_logits = inputs(batch)
         anchors, keep = sample_anchors(batch["loss_mask"], o.anchors, generator)
         with accelerator.autocast():
-            out = drafter.block_forward(features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
-                                        anchors, keep, gamma=o.gamma, labels=o.labels, return_logits=True)
+            out = block_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
+                             anchors, keep, gamma=o.gamma, labels=o.labels, return_logits=True)
         hit = (out.logits.argmax(-1) == out.labels) & (out.labels >= 0)  # (B, N, B-1)
         correct += hit.sum(dim=(0, 1))
         counted += out.step_counts
