@@ -52,7 +52,6 @@ from drafters.layers import DraftAttention, llama_config, target_layer_fields
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
 
-
 @dataclass
 class DFlashConfig:
     hidden_size: int

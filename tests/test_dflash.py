@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import drafters.dflash as dflash
+from drafters import dflash
 from drafters.checkpoint import load_checkpoint
 from drafters.dflash import (
     DFlashCache,
@@ -24,9 +24,9 @@ from drafters.dflash import (
 )
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle3 import fuse_features
+from drafters.tiny import build_tiny_target
 from drafters.training.dflash import block_loss, decay_weights
 from drafters.training.recipe import RecipeError
-from drafters.tiny import build_tiny_target
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,17 +15,17 @@ from transformers import GenerationConfig
 
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
-from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
-from drafters.draft_vocab import build_draft_vocab
-from drafters.eagle3 import fuse_features
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.dflash import load_dflash_proposer
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.targets import Target, TargetFeatures
-from drafters.training.dflash import block_loss
-from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
+from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
+from drafters.draft_vocab import build_draft_vocab
+from drafters.eagle3 import fuse_features
+from drafters.targets import Target, TargetFeatures
+from drafters.tiny import build_tiny_target
+from drafters.training.dflash import block_loss
 from test_sampling import chi_square_pvalue  # tests/ is on sys.path under pytest
 
 VOCAB, PROMPT, NEW, BLOCK = 259, 12, 30, 6

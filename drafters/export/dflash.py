@@ -42,9 +42,17 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab, DraftVocabError
-from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
-                                    exported_files, load_source, write_staged)
 from drafters.export.check import CheckReport, ExportCheckError, check_finite
+from drafters.export.common import (
+    DTYPES,
+    TORCH_DTYPE_NAMES,
+    ExportError,
+    ExportResult,
+    check_out_dir,
+    exported_files,
+    load_source,
+    write_staged,
+)
 
 FORMATS = ("sglang", "vllm")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"

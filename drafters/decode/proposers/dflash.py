@@ -24,9 +24,6 @@ import torch
 from torch import Tensor
 
 from drafters.checkpoint import check_target, load_checkpoint
-from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
-from drafters.eagle3 import fuse_features
-from drafters.registry import build_drafter, check_fits, drafter_config
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.sampling import SamplingConfig, warp
@@ -43,6 +40,9 @@ from drafters.decode.tree import (
     sibling_order,
     with_draft_probs,
 )
+from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
+from drafters.eagle3 import fuse_features
+from drafters.registry import build_drafter, check_fits, drafter_config
 
 
 def tree_name(tree: TreeSpec) -> str:
