@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from drafters.acceptance import geometric_chain_tau
 from drafters.files import write_text_atomic
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.decode.decoder import RoundStats, speculative_generate
@@ -315,13 +316,12 @@ def acceptance_from_tau(tau: float, k: float) -> float:
     low, high = 0.0, 1.0
     for _ in range(60):
         a = (low + high) / 2
-        low, high = (a, high) if (1 - a ** (k + 1)) / (1 - a) < tau else (low, a)
+        low, high = (a, high) if geometric_chain_tau(a, k) < tau else (low, a)
     return (low + high) / 2
 
 
 def expected_speedup(a: float, k: float, c: float) -> float:
-    gain = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-    return gain / (c * k + 1)
+    return geometric_chain_tau(a, k) / (c * k + 1)
 
 
 def summarize(run: Run, settings: Settings, budget: int, threads: int) -> dict:
