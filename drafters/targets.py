@@ -69,6 +69,32 @@ class TargetFeatures:
     logits: Tensor | None  # (B, T, V)
 
 
+class PreNormCapture:
+    """`with PreNormCapture(model, active) as pre_norm:` while open, `pre_norm.value` is the input of the
+    model's final norm at its latest forward: the output of the last decoder layer before the norm, (B, T, H).
+    Inactive: no hook, value None. What Target.features(pre_norm_last=True) and the tree decoder read."""
+
+    def __init__(self, model: PreTrainedModel, active: bool = True):
+        self.model, self.active, self.value, self.handle = model, active, None, None
+
+    def __enter__(self) -> "PreNormCapture":
+        if self.active:  # a forward pre-hook on the final norm: its input is the last layer's output
+            self.handle = final_norm_of(self.model).register_forward_pre_hook(self._hook)
+        return self
+
+    def _hook(self, module, args):
+        self.value = args[0]  # (B, T, H)
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def final_norm_of(model: PreTrainedModel) -> torch.nn.Module:
+    return model.base_model.norm  # Llama and Gemma-3 alike
+
+
 @dataclass
 class Target:
     model: PreTrainedModel  # frozen: eval(), requires_grad_(False)
@@ -84,7 +110,7 @@ class Target:
     dtype = property(lambda self: self.model.dtype)
     embed_tokens = property(lambda self: self.model.get_input_embeddings())
     lm_head = property(lambda self: self.model.get_output_embeddings())
-    final_norm = property(lambda self: self.model.base_model.norm)  # Llama and Gemma-3 alike
+    final_norm = property(lambda self: final_norm_of(self.model))
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -103,26 +129,17 @@ class Target:
     @torch.no_grad()
     def features(self, input_ids, attention_mask=None, *, layers=(), pre_norm_last=False, logits=True):
         layers = self.check_layers(layers)
-        captured = {}
-
-        def grab_norm_input(module, args):
-            captured["pre_norm_last"] = args[0]  # (B, T, H)
-
-        hook = self.final_norm.register_forward_pre_hook(grab_norm_input) if pre_norm_last else None
-        try:
+        with PreNormCapture(self.model, pre_norm_last) as pre_norm:
             # Without logits, skip the LM head (262k columns for Gemma-3).
             net = self.model if logits else self.model.base_model
             out = net(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
             )
-        finally:
-            if hook is not None:
-                hook.remove()
         hidden = out.hidden_states  # L + 1 entries of (B, T, H); the last one is final-normed
         return TargetFeatures(
             hidden_states={i: hidden[i] for i in layers},
             last_hidden=hidden[-1],
-            pre_norm_last=captured.get("pre_norm_last"),
+            pre_norm_last=pre_norm.value,
             logits=out.logits if logits else None,
         )
 
