@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from drafters.dtypes import DTYPES, dtype_name
 from drafters.errors import UserError
 from drafters.files import file_sha256
 from drafters.tiny import TINY_TARGETS, build_tiny_target
@@ -55,7 +56,6 @@ SHIPPED = {
     ),
 }
 SHORT_NAMES = (*TINY_TARGETS, *SHIPPED)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Chat end-of-turn tokens: added to the stop set when the tokenizer's chat template uses them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -193,11 +193,14 @@ def resolve_precision(dtype: str, mixed_precision: str = "no", device=None) -> t
 
 
 def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | None = None) -> Target:
-    """dtype: float32 | bfloat16 | float16 | auto (bfloat16 where bf16 is native, else float32)."""
+    """dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16, drafters.dtypes) | auto (bfloat16 where
+    bf16 is native, else float32)."""
     if dtype == "auto":
         dtype = resolve_precision(dtype)[0]
-    if dtype not in DTYPES:
-        raise TargetError(f"dtype {dtype!r} not supported: choose one of auto, {', '.join(DTYPES)}")
+    try:
+        dtype = dtype_name(dtype, also=("auto",))
+    except ValueError as err:
+        raise TargetError(str(err)) from None
     name, model, tokenizer = resolve(name_or_path.strip(), DTYPES[dtype], cache_root(cache_dir))
     model.eval().requires_grad_(False)
     return Target(model, tokenizer, name)

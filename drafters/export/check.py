@@ -181,6 +181,10 @@ def _resolve_aux_layers(recorded: list[int] | None, written: list[int] | None, o
 
 
 EMBEDDING = "embed_tokens.weight"
+# torch_dtype -> the float weights an export may hold; float16: what the EAGLE repository's checkpoints hold
+# (our writers write float32 or bfloat16). The readers' own table, not drafters.dtypes, which the writers cast
+# with: a wrong shared entry would pass writer and reader alike.
+READER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_embedding(path) -> torch.Tensor | None:
@@ -486,8 +490,7 @@ def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path
         raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got "
                                f"{tensors['d2t'].dtype} / {tensors['t2d'].dtype}")
     floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    # float16: what the EAGLE repository's checkpoints hold (our writer writes fp32 or bf16)
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    wanted = READER_DTYPES
     if len(floats) != 1 or not floats <= set(wanted.values()):
         raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16 (or all "
                                f"float16, as the EAGLE repository's), got {sorted(map(str, floats))}")

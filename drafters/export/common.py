@@ -12,16 +12,25 @@ from pathlib import Path
 import torch
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from drafters.dtypes import dtype_name, spellings
 from drafters.export.check import check_finite
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
+EXPORT_DTYPES = ("float32", "bfloat16")  # what engines load; drafters.dtypes names
+EXPORT_DTYPE_SPELLINGS = spellings(EXPORT_DTYPES)  # float32, bfloat16, fp32, bf16 (eval/export.py --dtype)
 
 
 class ExportError(ValueError):
     pass
+
+
+def export_dtype(dtype: str) -> str:
+    """'fp32' / 'float32' -> 'float32', 'bf16' / 'bfloat16' -> 'bfloat16' (drafters.dtypes): what an
+    export's weights are cast to and its config's torch_dtype says."""
+    try:
+        return dtype_name(dtype, EXPORT_DTYPES)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
 
 
 @dataclass

@@ -43,12 +43,12 @@ from drafters.checkpoint import Checkpoint, CheckpointError, check_target, targe
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.export.check import CheckReport, ExportCheckError, check_finite
+from drafters.dtypes import DTYPES
 from drafters.export.common import (
-    DTYPES,
-    TORCH_DTYPE_NAMES,
     ExportError,
     ExportResult,
     check_out_dir,
+    export_dtype,
     exported_files,
     load_source,
     write_staged,
@@ -69,8 +69,7 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
     the export carries the target's LM head rows)."""
     if fmt not in FORMATS:
         raise ExportError(f"a dflash checkpoint exports to {' / '.join(FORMATS)} or native, not {fmt!r}")
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
@@ -79,18 +78,18 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
     if not 1 <= tokens <= c.block_size - 1:
         raise ExportError(f"speculative_tokens={tokens}: a DFlash block of {c.block_size} drafts 1 .. "
                           f"{c.block_size - 1} tokens")
-    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
+    state = {k: v.to(DTYPES[canonical]) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
     full = c.draft_vocab_size == c.vocab_size
     if fmt == "sglang":
-        config = sglang_config(c, expected["num_layers"], dtype)
+        config = sglang_config(c, expected["num_layers"], canonical)
         tensors = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     else:
-        config = vllm_config(c, dtype, tokens, verifier or expected["name"], expected.get("architectures") or [])
+        config = vllm_config(c, canonical, tokens, verifier or expected["name"], expected.get("architectures") or [])
         tensors = {k: v for k, v in state.items() if not (full and k in ("d2t", "t2d"))}
         if not full:
             used = DraftVocab.from_state_dict(ckpt.state_dict).used
             tensors["lm_head.weight"] = target.lm_head.weight.detach()[used.to(target.lm_head.weight.device)] \
-                .to("cpu", DTYPES[dtype])
+                .to("cpu", DTYPES[canonical])
 
     def write(payload: Path) -> CheckReport:
         payload.mkdir()
@@ -174,7 +173,7 @@ def qwen3_layer_fields(c: DFlashConfig, dtype: str) -> dict:
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * c.num_hidden_layers,  # DFlash: full = bidirectional in the block
         "tie_word_embeddings": False,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": dtype,  # a drafters.dtypes name: float32 | bfloat16
     }
 
 

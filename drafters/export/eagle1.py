@@ -41,10 +41,11 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.layers import DraftKVCache
-from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
-                             exported_files, load_source, write_staged)
-from drafters.export.check import (CheckReport, ExportCheckError, check_finite, config_dtype, llama_default,
-                                   note_defaults, rope_fields)
+from drafters.dtypes import DTYPES
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, exported_files, load_source,
+                                    write_staged)
+from drafters.export.check import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, config_dtype,
+                                   llama_default, note_defaults, rope_fields)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -54,14 +55,13 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 def export_eagle1(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", overwrite: bool = False) -> ExportResult:
     """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
     expected, c = preflight(ckpt, target)
-    files = official_config(c, dtype)
-    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous().clone() for k, v in ckpt.state_dict.items()}
+    files = official_config(c, canonical)
+    tensors = {k: v.detach().to("cpu", DTYPES[canonical]).contiguous().clone() for k, v in ckpt.state_dict.items()}
 
     def write(payload: Path) -> CheckReport:
         payload.mkdir()
@@ -127,7 +127,7 @@ def official_config(c: Eagle1Config, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": dtype,
     }
 
 
@@ -269,9 +269,7 @@ def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path
     wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
     if wrong:
         raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
-    # float16: what the EAGLE repository's checkpoints hold (our writer writes fp32 or bf16)
-    floats = {v.dtype for v in tensors.values()}
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    floats, wanted = {v.dtype for v in tensors.values()}, READER_DTYPES
     if len(floats) != 1 or not floats <= set(wanted.values()):
         raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16 (or all float16, as the EAGLE "
                                f"repository's), got {sorted(map(str, floats))}")

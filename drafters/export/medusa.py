@@ -35,8 +35,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
-from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
-                             exported_files, load_source, write_staged)
+from drafters.dtypes import DTYPES
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, exported_files, load_source,
+                                    write_staged)
 from drafters.export.check import ExportCheckError, check_finite, config_dtype
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.registry import load_drafter
@@ -76,8 +77,7 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
                   overwrite: bool = False) -> ExportResult:
     """target: a loaded drafters Target to validate against (else the checkpoint's target info);
     base_model: base_model_name_or_path to write (default: the target's Hub id or name)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
@@ -89,14 +89,14 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
         k, rest = re.fullmatch(r"heads\.(\d+)\.(.+)", key).groups()
         block = re.fullmatch(r"blocks\.(\d+)\.(linear\.(?:weight|bias))", rest)
         medusa_key = f"{k}.{block[1]}.{block[2]}" if block else f"{k}.{config.num_layers}.weight"
-        tensors[medusa_key] = value.detach().to("cpu", DTYPES[dtype]).contiguous().clone()
+        tensors[medusa_key] = value.detach().to("cpu", DTYPES[canonical]).contiguous().clone()
     files = {
         "medusa_num_heads": config.num_heads,
         "medusa_num_layers": config.num_layers,
         "base_model_name_or_path": base,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": canonical,
     }
     if config.share_lm_head:
         files["version"] = "2"  # TGI: MedusaHeadV2, the base model's LM head

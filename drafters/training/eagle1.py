@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
+from drafters.dtypes import DtypeName
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import shift_left, ttt_label_mask
 from drafters.losses import soft_cross_entropy
@@ -29,7 +30,7 @@ class Eagle1Options:
 @dataclass
 class Features:  # offline target features (drafters.training.features; written by train/features.py)
     dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # storage dtype (train/features.py)
+    dtype: DtypeName = "bfloat16"  # storage dtype (train/features.py)
     shard_rows: int = 512  # examples per safetensors shard (train/features.py)
 
 
