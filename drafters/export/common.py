@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
 from drafters.dtypes import dtype_name, spellings
 from drafters.export.check import check_finite
 
@@ -41,6 +42,18 @@ class ExportResult:
     files: list[str]
     config: dict  # what was written to the config file
     check: object = None  # drafters.export.check.CheckReport
+
+
+def export_target(ckpt: Checkpoint, target=None) -> dict:
+    """The target facts (target_info fields) to export against: a loaded target's, once it is checked
+    against what the checkpoint records, else what the checkpoint records. Raises ExportError."""
+    if target is None:
+        return dict(ckpt.target)
+    try:
+        check_target(ckpt, target)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    return target_info(target)
 
 
 def load_source(ckpt_dir) -> Checkpoint:
@@ -111,6 +124,23 @@ def _marked_files(out_dir: Path) -> set[str]:
 
 def exported_files(out_dir: Path) -> list[str]:
     return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
+
+
+def export_files(out_dir: Path, source, fmt: str, dtype: str, config: dict, tensors: dict, weights_file: str,
+                 check, overwrite: bool) -> ExportResult:
+    """A format of one config.json and one safetensors file: both written, check(payload) -> the report of
+    the format's independent reader, then placed as write_staged does. dtype: as the caller named it."""
+
+    def write(payload: Path):
+        payload.mkdir()
+        save_file(tensors, payload / weights_file, metadata={"format": "pt"})
+        (payload / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return check(payload)
+
+    report = write_staged(out_dir, source, fmt, write, overwrite)
+    report.path = out_dir
+    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
+                        files=exported_files(out_dir))
 
 
 def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):

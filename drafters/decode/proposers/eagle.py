@@ -31,7 +31,8 @@ from drafters.eagle3 import Eagle3Config, fuse_features
 from drafters.layers import DraftKVCache
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask, parse_tree_spec, ranked_draws
+from drafters.decode.tree import (ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask, parse_tree_spec,
+                                  ranked_draws)
 
 
 def eagle3_inputs(drafter):

@@ -28,8 +28,8 @@ from drafters.medusa import MedusaHeads
 from drafters.registry import check_fits, load_drafter
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import (ChainSpec, Frontier, StaticSpec, Tree, TreeShape, TreeSpec, build_tree, parse_tree_spec,
-                                  ranked_draws)
+from drafters.decode.tree import (ChainSpec, Frontier, StaticSpec, Tree, TreeShape, TreeSpec, build_tree,
+                                  parse_tree_spec, ranked_draws)
 
 HEADS_FAMILIES = ("medusa", "blockwise")  # drafters.registry names of the multi-head families
 TREE_FILE = "tree.json"  # the calibrated rank paths a training run writes into each evaluated checkpoint
@@ -43,8 +43,8 @@ class HeadsProposer:
         self.drafter, self.lm_head, self.tree = drafter, lm_head, tree
         self.num_heads = drafter.config.num_heads
         if tree.depth > self.num_heads:
-            raise ValueError(f"tree of depth {tree.depth} for a drafter with {self.num_heads} heads: depth d is drafted "
-                             f"by head d-1, so use a tree of depth <= {self.num_heads}")
+            raise ValueError(f"tree of depth {tree.depth} for a drafter with {self.num_heads} heads: depth d is "
+                             f"drafted by head d-1, so use a tree of depth <= {self.num_heads}")
         self.depth = tree.length if isinstance(tree, ChainSpec) else None  # AdaptiveChain sets it
         self.generator = torch.Generator(lm_head.device).manual_seed(seed)  # sampled drafts only
         self.last = None  # (d,) x_t at the last committed position
