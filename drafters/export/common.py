@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
 from drafters.dtypes import dtype_name, spellings
 from drafters.export.check import check_finite
+from drafters.files import move_dir_into_place
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EXPORT_DTYPES = ("float32", "bfloat16")  # what engines load; drafters.dtypes names
@@ -153,7 +154,7 @@ def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
         marker = {"files": exported_files(payload), "format": fmt, "source": str(source)}
         (payload / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         check_out_dir(out_dir, source, overwrite)  # again: it may have changed meanwhile
-        _move_into_place(payload, out_dir)
+        move_dir_into_place(payload, out_dir, payload.parent.name)  # a replaceable earlier export
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result
@@ -162,16 +163,6 @@ def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
 def _parent(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     return path.parent
-
-
-def _move_into_place(payload: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # a replaceable earlier export: moved aside, so a crash keeps one of the two
-        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
-        out_dir.rename(old)
-        payload.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        payload.rename(out_dir)
 
 
 def describe(result: ExportResult) -> str:
