@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from drafters.errors import UserError
+from drafters.files import move_dir_into_place
 
 FORMAT = "drafters/1"
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -80,13 +81,7 @@ def save_checkpoint(path, *, family: str, config: dict, target: dict, state_dict
         meta = {"format": FORMAT, "family": family, "config": config, "target": target, "extra": extra or {}}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         _fsync_tree(tmp)
-        if path.exists():  # replace: move the old one aside first so a reader never sees neither
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        move_dir_into_place(tmp, path, str(os.getpid()))  # replaces an existing checkpoint
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

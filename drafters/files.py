@@ -7,6 +7,7 @@ drafters.checkpoint, drafters.export.common.)
 
 import hashlib
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,18 @@ def atomic_path(path):
 def write_text_atomic(path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def move_dir_into_place(new: Path, dest: Path, tag: str) -> None:
+    """Rename the complete directory `new` to `dest` (same file system). An existing `dest` is moved aside
+    first (to .NAME.old-TAG, deleted afterwards), so a reader never sees neither and a crash keeps one."""
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{tag}")
+        dest.rename(old)
+        new.rename(dest)
+        shutil.rmtree(old)
+    else:
+        new.rename(dest)
 
 
 def file_sha256(path) -> str:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from drafters.dtypes import DTYPES, dtype_name
 from drafters.errors import UserError
 from drafters.files import file_sha256
 from drafters.tiny import TINY_TARGETS, build_tiny_target
@@ -55,7 +56,6 @@ SHIPPED = {
     ),
 }
 SHORT_NAMES = (*TINY_TARGETS, *SHIPPED)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Chat end-of-turn tokens: added to the stop set when the tokenizer's chat template uses them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -67,6 +67,32 @@ class TargetFeatures:
     last_hidden: Tensor  # (B, T, H) final-normed (= HF index L)
     pre_norm_last: Tensor | None  # (B, T, H) output of the last decoder layer before the norm
     logits: Tensor | None  # (B, T, V)
+
+
+class PreNormCapture:
+    """`with PreNormCapture(model, active) as pre_norm:` while open, `pre_norm.value` is the input of the
+    model's final norm at its latest forward: the output of the last decoder layer before the norm, (B, T, H).
+    Inactive: no hook, value None. What Target.features(pre_norm_last=True) and the tree decoder read."""
+
+    def __init__(self, model: PreTrainedModel, active: bool = True):
+        self.model, self.active, self.value, self.handle = model, active, None, None
+
+    def __enter__(self) -> "PreNormCapture":
+        if self.active:  # a forward pre-hook on the final norm: its input is the last layer's output
+            self.handle = final_norm_of(self.model).register_forward_pre_hook(self._hook)
+        return self
+
+    def _hook(self, module, args):
+        self.value = args[0]  # (B, T, H)
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def final_norm_of(model: PreTrainedModel) -> torch.nn.Module:
+    return model.base_model.norm  # Llama and Gemma-3 alike
 
 
 @dataclass
@@ -84,7 +110,7 @@ class Target:
     dtype = property(lambda self: self.model.dtype)
     embed_tokens = property(lambda self: self.model.get_input_embeddings())
     lm_head = property(lambda self: self.model.get_output_embeddings())
-    final_norm = property(lambda self: self.model.base_model.norm)  # Llama and Gemma-3 alike
+    final_norm = property(lambda self: final_norm_of(self.model))
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -103,26 +129,17 @@ class Target:
     @torch.no_grad()
     def features(self, input_ids, attention_mask=None, *, layers=(), pre_norm_last=False, logits=True):
         layers = self.check_layers(layers)
-        captured = {}
-
-        def grab_norm_input(module, args):
-            captured["pre_norm_last"] = args[0]  # (B, T, H)
-
-        hook = self.final_norm.register_forward_pre_hook(grab_norm_input) if pre_norm_last else None
-        try:
+        with PreNormCapture(self.model, pre_norm_last) as pre_norm:
             # Without logits, skip the LM head (262k columns for Gemma-3).
             net = self.model if logits else self.model.base_model
             out = net(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
             )
-        finally:
-            if hook is not None:
-                hook.remove()
         hidden = out.hidden_states  # L + 1 entries of (B, T, H); the last one is final-normed
         return TargetFeatures(
             hidden_states={i: hidden[i] for i in layers},
             last_hidden=hidden[-1],
-            pre_norm_last=captured.get("pre_norm_last"),
+            pre_norm_last=pre_norm.value,
             logits=out.logits if logits else None,
         )
 
@@ -176,11 +193,14 @@ def resolve_precision(dtype: str, mixed_precision: str = "no", device=None) -> t
 
 
 def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | None = None) -> Target:
-    """dtype: float32 | bfloat16 | float16 | auto (bfloat16 where bf16 is native, else float32)."""
+    """dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16, drafters.dtypes) | auto (bfloat16 where
+    bf16 is native, else float32)."""
     if dtype == "auto":
         dtype = resolve_precision(dtype)[0]
-    if dtype not in DTYPES:
-        raise TargetError(f"dtype {dtype!r} not supported: choose one of auto, {', '.join(DTYPES)}")
+    try:
+        dtype = dtype_name(dtype, also=("auto",))
+    except ValueError as err:
+        raise TargetError(str(err)) from None
     name, model, tokenizer = resolve(name_or_path.strip(), DTYPES[dtype], cache_root(cache_dir))
     model.eval().requires_grad_(False)
     return Target(model, tokenizer, name)

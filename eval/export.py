@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from drafters.checkpoint import CheckpointError
-from drafters.export.common import DTYPES, ExportError, describe
+from drafters.export.common import EXPORT_DTYPE_SPELLINGS, ExportError, describe
 from drafters.export.dispatch import FORMATS, export_checkpoint
 from drafters.export.check import ExportCheckError
 from drafters.targets import TargetError, load_target
@@ -36,7 +36,7 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="output directory (must not exist, see --overwrite)")
     p.add_argument("--target", default=None,
                    help="load this target and validate against it (short name, HF dir, .gguf)")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=EXPORT_DTYPE_SPELLINGS, help="fp32 = float32, bf16 = bfloat16")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="vllm: proposal_methods[0].speculative_tokens (default: 3, vLLM's default depth, for "
                         "EAGLE-3; block_size - 1 for DFlash)")

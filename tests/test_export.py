@@ -267,6 +267,21 @@ def test_cli_end_to_end(tmp_path, ckpt, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_dtype_in_either_spelling(tmp_path, ckpt, capsys):
+    # drafters.dtypes: --dtype bfloat16 is --dtype bf16; anything else is refused naming what is accepted
+    out = tmp_path / "sglang"
+    assert main([str(ckpt), "--format", "sglang", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert f"wrote sglang export (bfloat16) to {out}" in capsys.readouterr().out
+    assert read_config(out)["torch_dtype"] == "bfloat16"
+    assert load_file(out / WEIGHTS)["fc.weight"].dtype == torch.bfloat16
+    with pytest.raises(SystemExit):
+        main([str(ckpt), "--format", "sglang", "--out", str(tmp_path / "x"), "--dtype", "fp16"])
+    assert "'float32', 'bfloat16', 'fp32', 'bf16'" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="dtype 'float16' not supported: choose one of float32, bfloat16, fp32, bf16"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "y", dtype="float16")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 def test_exported_drafter_drafts_exactly_like_its_checkpoint(exports, ckpt, target, fmt):
     # an export dir is a proposer spec too (eval/tau.py --proposer DIR): the same trees every round

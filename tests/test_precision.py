@@ -34,5 +34,6 @@ def test_explicit_bf16_without_native_support_is_kept_but_warned(monkeypatch):
 def test_load_target_resolves_auto():
     expected = torch.bfloat16 if bf16_is_native() else torch.float32
     assert load_target("tiny-random-llama", dtype="auto").dtype == expected
-    with pytest.raises(targets.TargetError, match="choose one of auto, float32"):
+    with pytest.raises(targets.TargetError, match="choose one of auto, float32, bfloat16, float16, fp32, bf16, fp16"):
         load_target("tiny-random-llama", dtype="fp8")
+    assert load_target("tiny-random-llama", dtype="bf16").dtype == torch.bfloat16  # drafters.dtypes spellings

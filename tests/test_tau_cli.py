@@ -72,6 +72,17 @@ def test_formula_helpers():
     assert abs(tau.expected_speedup(1.0, 3, 1 / 3) - 2.0) < 1e-9
 
 
+def test_chain_tau_is_one_plus_the_sum_of_prefix_products():
+    # drafters.acceptance: the tau_pred of every held-out evaluation and the closed form tau.py models with
+    from drafters.acceptance import chain_tau, geometric_chain_tau
+
+    assert chain_tau([]) == 1
+    assert chain_tau([0.5, 0.4, 1.0]) == pytest.approx(1 + 0.5 + 0.5 * 0.4 + 0.5 * 0.4 * 1.0)
+    assert chain_tau([0.0, 1.0]) == 1  # nothing after a rejected draft counts
+    assert geometric_chain_tau(0.5, 3) == pytest.approx(chain_tau([0.5] * 3))
+    assert geometric_chain_tau(1.0, 2.5) == 3.5 and geometric_chain_tau(0.0, 4) == 1
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--bench", "no-such-bench"], "unknown bench 'no-such-bench'"),
     (["--proposer", "medusa-ish"], "unknown proposer 'medusa-ish'"),

@@ -39,6 +39,7 @@ import torch
 from accelerate.utils import set_seed
 from torch import Tensor, nn
 
+from drafters.acceptance import chain_tau
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.training.data import collate
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
@@ -280,7 +281,7 @@ def evaluate(drafter, target: Target, batches: list[dict], recipe: Recipe, accel
     return {"loss": (loss / len(batches)).item(), "head_loss": (head_losses / len(batches)).tolist(),
             "head_top1": [row[0] for row in rank_acc], "head_top5": [sum(row[:TOPK_METRIC]) for row in rank_acc],
             "rank_acc": rank_acc, "supervised": [int(c) for c in counts.tolist()],
-            "tau_pred": tree.expected_tau, "tau_pred_chain": chain_tree(rank_acc, K).expected_tau,
+            "tau_pred": tree.expected_tau, "tau_pred_chain": chain_tau([row[0] for row in rank_acc]),
             "tree": tree.to_dict()}
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+from drafters.dtypes import DtypeName
 from drafters.training.data import DataError, RowError, load_conversations, render
 from drafters.training.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
@@ -40,7 +41,7 @@ class Recipe:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # auto: bf16 only where native
+    dtype: Literal["auto", DtypeName] = "float32"  # auto: bf16 only where native (drafters.dtypes)
     threads: int = 0  # torch CPU threads; 0 = torch's default
 
 

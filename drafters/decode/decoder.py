@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicLayer
 from drafters.decode.proposers import Proposer, TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import Tree
+from drafters.targets import PreNormCapture, TargetFeatures
 
 
 @dataclass
@@ -180,7 +181,7 @@ def speculative_generate(model, proposer: Proposer, prompt_ids: Tensor, *, max_n
     if generator is None and sampling.seed is not None:
         generator = torch.Generator(device).manual_seed(sampling.seed)
     prompt, stats, cache = prompt_ids.reshape(-1).to(device), RoundStats(), DynamicCache()
-    with _PreNormCapture(model, needs.pre_norm_last) as pre_norm:
+    with PreNormCapture(model, needs.pre_norm_last) as pre_norm:  # (1, T, H) of the last forward
         start = perf_counter()
         out = model(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=needs.any)
         generated = [_pick(out.logits[0, -1], sampling, generator)]
@@ -265,30 +266,10 @@ def _check_supported(model, max_new_tokens: int) -> None:
 # ---------------------------------------------------------------- target features for proposers
 
 
-class _PreNormCapture:
-    # Forward pre-hook on the final norm: its input is the last decoder layer's output before the norm.
-    def __init__(self, model, active: bool):
-        self.model, self.active, self.value, self.handle = model, active, None, None
-
-    def __enter__(self):
-        if self.active:
-            self.handle = self.model.get_decoder().norm.register_forward_pre_hook(self._hook)
-        return self
-
-    def _hook(self, module, args):
-        self.value = args[0]  # (1, T, H)
-
-    def __exit__(self, *exc):
-        if self.handle is not None:
-            self.handle.remove()
-
-
-def _features(out, pre_norm: _PreNormCapture, needs: TargetNeeds, index):
+def _features(out, pre_norm: PreNormCapture, needs: TargetNeeds, index):
     # TargetFeatures at the given positions of the last forward (index: slice or (a,) node ids)
     if not needs.any:
         return None
-    from drafters.targets import TargetFeatures
-
     hidden = out.hidden_states  # L + 1 entries of (1, T, H)
     return TargetFeatures(
         hidden_states={layer: hidden[layer][:, index] for layer in needs.layers},

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from drafters.acceptance import geometric_chain_tau
 from drafters.files import write_text_atomic
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.decode.decoder import RoundStats, speculative_generate
@@ -90,6 +91,40 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What one evaluation ran with, as its report states it. The shards of one run share all of it
+    but `shard` and `device` (SAME_RUN); --merge reads it back from a shard's report."""
+    target: str  # the loaded target's name
+    proposer: str
+    proposer_sha256: str | None  # what was measured, not just its path (None for a named proposer)
+    proposer_notes: tuple[str, ...]  # how the drafter's files were read where they leave something out
+    bench: str
+    tree: str  # the spec as given
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    max_turns: int | None
+    limit: int | None
+    adaptive: bool
+    no_baseline: bool
+    shard: str | None  # "I/N", None, or "merged N"
+    device: str
+
+    @staticmethod
+    def from_report(report: dict, shard: str | None) -> "Settings":
+        sampling = report["sampling"]
+        return Settings(
+            target=report["target"], proposer=report["proposer"], proposer_sha256=report.get("proposer_sha256"),
+            proposer_notes=tuple(report.get("proposer_notes", [])),
+            bench=report["bench"], tree=report["tree"], temperature=sampling["temperature"],
+            top_k=sampling["top_k"], top_p=sampling["top_p"], seed=sampling["seed"],
+            max_new_tokens=report["max_new_tokens"], max_turns=report["max_turns"], limit=report["limit"],
+            adaptive=report["adaptive"], no_baseline=report["no_baseline"], shard=shard, device=report["device"])
+
+
 @dataclass
 class Run:
     stats: RoundStats = field(default_factory=RoundStats)  # all rounds of all prompts
@@ -111,15 +146,20 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     try:
         target = load_target(args.target, dtype=args.dtype)
-        args.device_used = str(device(args.device))
-        target.model.to(args.device_used)
-        args.proposer_sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
+        device_used = str(device(args.device))
+        target.model.to(device_used)
+        sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
         proposer = load_proposer(args.proposer, target, tree)
         # how a drafter's files were read where they leave something out (e.g. another tool's EAGLE-3
         # directory without layer ids: the engine's default layers): said here, recorded in the JSON
-        args.proposer_notes = list(getattr(proposer, "notes", []))
-        for note in args.proposer_notes:
+        notes = tuple(getattr(proposer, "notes", []))
+        for note in notes:
             print(f"note: {note}")
+        settings = Settings(
+            target=target.name, proposer=args.proposer, proposer_sha256=sha256, proposer_notes=notes,
+            bench=args.bench, tree=args.tree, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, limit=args.limit,
+            adaptive=args.adaptive, no_baseline=args.no_baseline, shard=args.shard, device=device_used)
         if args.adaptive:
             proposer = AdaptiveChain(proposer)
         if getattr(proposer, "greedy_only", False) and args.temperature > 0:
@@ -127,17 +167,15 @@ def main(argv=None) -> dict:
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"tau: {error}") from None
     run = Run()
+    depth = AdaptiveChain.max_depth if args.adaptive else tree.depth  # the deepest draft of any round
     bar = tqdm(items, unit="item", desc="tau", dynamic_ncols=True)  # on stderr: stdout keeps the report
     for index, item in bar:
-        evaluate_item(target, proposer, item, index, args, tree, sampling, run)
+        evaluate_item(target, proposer, item, index, settings, sampling, depth, run)
         bar.set_postfix_str(f"tau {run.stats.tau:.2f}, {run.spec_tokens} tokens")
     if not run.prompts:
         raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
                          "lower --max-new-tokens or use shorter prompts")
-    report = summarize(run, args, target, tree)
-    print_report(report)
-    if args.json:
-        write_json_atomic(Path(args.json), report)
+    report = report_and_write(run, settings, tree.budget, torch.get_num_threads(), args.json)
     if run.mismatches:
         raise SystemExit(f"tau: {len(run.mismatches)} greedy outputs differ from generate (a bug): "
                          f"{run.mismatches}")
@@ -181,20 +219,21 @@ def device(name: str) -> torch.device:
     return chosen
 
 
-def evaluate_item(target, proposer, item: BenchItem, index, args, tree, sampling, run: Run):
-    history = []
-    for turn in range(min(len(item.turns), args.max_turns or len(item.turns))):
+def evaluate_item(target, proposer, item: BenchItem, index: int, settings: Settings, sampling: SamplingConfig,
+                  depth: int, run: Run) -> None:
+    # every turn of bench item `index` (up to max_turns) into `run`; depth: the deepest draft of a round
+    history, max_new_tokens = [], settings.max_new_tokens
+    for turn in range(min(len(item.turns), settings.max_turns or len(item.turns))):
         prompt = torch.tensor(render_prompt(target.tokenizer, item, history), dtype=torch.long)
-        depth = AdaptiveChain.max_depth if args.adaptive else tree.depth
-        needed = prompt.numel() + args.max_new_tokens + depth
+        needed = prompt.numel() + max_new_tokens + depth
         if needed > target.max_position_embeddings:
             run.skipped.append({"id": item.id, "turn": turn + 1, "prompt_tokens": prompt.numel(),
                                 "needed_positions": needed, "context": target.max_position_embeddings})
             return
-        seed = args.seed + 1000 * index + turn
-        base, base_s = (None, 0.0) if args.no_baseline else baseline(target, prompt, args.max_new_tokens,
-                                                                      sampling, seed)
-        spec, stats, spec_s = speculative(target, proposer, prompt, args.max_new_tokens, sampling, seed)
+        seed = settings.seed + 1000 * index + turn
+        base, base_s = (None, 0.0) if settings.no_baseline else baseline(target, prompt, max_new_tokens,
+                                                                          sampling, seed)
+        spec, stats, spec_s = speculative(target, proposer, prompt, max_new_tokens, sampling, seed)
         record(run, item, turn, prompt, base, base_s, spec, stats, spec_s, sampling)
         answer = target.tokenizer.decode((spec if base is None else base)[prompt.numel():].tolist(),
                                          skip_special_tokens=True)
@@ -234,14 +273,7 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
     run.base_s += base_s
     run.spec_tokens += spec.numel() - n
     run.spec_s += spec_s
-    total = run.stats
-    total.accepted += stats.accepted
-    total.tree_sizes += stats.tree_sizes
-    total.tree_depths += stats.tree_depths
-    total.prefill_s += stats.prefill_s
-    total.draft_s += stats.draft_s
-    total.verify_s += stats.verify_s
-    total.other_s += stats.other_s
+    add_rounds(run.stats, stats)
     match = None
     if sampling.greedy and base is not None:
         match = torch.equal(base, spec)
@@ -257,6 +289,21 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
                         "tau": stats.tau, "match": match})
 
 
+# the RoundStats fields a report's "raw" holds: every round, so shards merge exactly
+RAW_ROUNDS = ("accepted", "tree_sizes", "tree_depths", "prefill_s", "draft_s", "verify_s", "other_s")
+
+
+def add_rounds(total: RoundStats, stats: RoundStats) -> None:
+    # total += stats: the rounds of one more prompt (or of one more shard, --merge)
+    total.accepted += stats.accepted
+    total.tree_sizes += stats.tree_sizes
+    total.tree_depths += stats.tree_depths
+    total.prefill_s += stats.prefill_s
+    total.draft_s += stats.draft_s
+    total.verify_s += stats.verify_s
+    total.other_s += stats.other_s
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -269,16 +316,16 @@ def acceptance_from_tau(tau: float, k: float) -> float:
     low, high = 0.0, 1.0
     for _ in range(60):
         a = (low + high) / 2
-        low, high = (a, high) if (1 - a ** (k + 1)) / (1 - a) < tau else (low, a)
+        low, high = (a, high) if geometric_chain_tau(a, k) < tau else (low, a)
     return (low + high) / 2
 
 
 def expected_speedup(a: float, k: float, c: float) -> float:
-    gain = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-    return gain / (c * k + 1)
+    return geometric_chain_tau(a, k) / (c * k + 1)
 
 
-def summarize(run: Run, args, target, tree) -> dict:
+def summarize(run: Run, settings: Settings, budget: int, threads: int) -> dict:
+    # budget: the tree spec's draft nodes per round, root excluded
     stats, rounds = run.stats, max(run.stats.num_rounds, 1)
     base_tps = run.base_tokens / run.base_s if run.base_s else 0.0
     spec_tps = run.spec_tokens / run.spec_s if run.spec_s else 0.0
@@ -287,20 +334,19 @@ def summarize(run: Run, args, target, tree) -> dict:
     per_depth = stats.depth_acceptance()
     target_s_per_token = run.base_s / max(run.base_tokens, 1)
     c = (stats.draft_s / rounds) / k / target_s_per_token if k > 0 and target_s_per_token else 0.0
-    budget = tree.budget
     measured = run.base_tokens > 0  # False with --no-baseline
+    s = settings
     return {
-        "target": target.name, "proposer": args.proposer, "proposer_sha256": args.proposer_sha256,
-        "proposer_notes": getattr(args, "proposer_notes", []),
-        "bench": args.bench, "tree": args.tree,
+        "target": s.target, "proposer": s.proposer, "proposer_sha256": s.proposer_sha256,
+        "proposer_notes": list(s.proposer_notes),
+        "bench": s.bench, "tree": s.tree,
         "tree_budget": {"draft_nodes_excl_root": budget, "nodes_incl_root": budget + 1},
         "mean_tree_nodes_incl_root": sum(stats.tree_sizes) / rounds,
-        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                     "seed": args.seed},
-        "max_new_tokens": args.max_new_tokens, "max_turns": args.max_turns, "limit": args.limit,
-        "adaptive": args.adaptive,
-        "shard": args.shard, "no_baseline": args.no_baseline, "device": args.device_used,
-        "threads": torch.get_num_threads(),
+        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed},
+        "max_new_tokens": s.max_new_tokens, "max_turns": s.max_turns, "limit": s.limit,
+        "adaptive": s.adaptive,
+        "shard": s.shard, "no_baseline": s.no_baseline, "device": s.device,
+        "threads": threads,
         "num_prompts": len(run.prompts), "skipped": run.skipped,
         "rounds": stats.num_rounds, "tau": stats.tau, "per_depth_acceptance": per_depth,
         "baseline": {"tokens": run.base_tokens, "seconds": run.base_s, "tokens_per_s": base_tps},
@@ -313,15 +359,22 @@ def summarize(run: Run, args, target, tree) -> dict:
                   "a_mean_per_depth": sum(per_depth) / len(per_depth) if per_depth else 0.0,
                   "c_draft_over_target_per_token": c,
                   "expected_speedup": (expected_speedup(a, k, c) if k > 0 else 1.0) if measured else None},
-        "greedy_check": None if args.temperature > 0 or not measured else {
+        "greedy_check": None if s.temperature > 0 or not measured else {
             "checked": len(run.prompts), "mismatches": len(run.mismatches),
             "mismatched": run.mismatches},
         "per_prompt": run.prompts,
         # every round, so shards merge exactly (--merge)
-        "raw": {"accepted": stats.accepted, "tree_sizes": stats.tree_sizes, "tree_depths": stats.tree_depths,
-                "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-                "other_s": stats.other_s, "mismatches": run.mismatches},
+        "raw": {**{key: getattr(stats, key) for key in RAW_ROUNDS}, "mismatches": run.mismatches},
     }
+
+
+def report_and_write(run: Run, settings: Settings, budget: int, threads: int, out: str | None) -> dict:
+    # the report of a run or of merged shards: printed, and written atomically to `out` when given
+    report = summarize(run, settings, budget, threads)
+    print_report(report)
+    if out:
+        write_json_atomic(Path(out), report)
+    return report
 
 
 # what every shard of one run shares (device and threads may differ)
@@ -342,11 +395,7 @@ def merge(paths: list[str], out: str | None) -> dict:
     run = Run()
     for r in reports:
         raw = r["raw"]
-        run.stats.accepted += raw["accepted"]
-        run.stats.tree_sizes += raw["tree_sizes"]
-        run.stats.tree_depths += raw["tree_depths"]
-        for key in ("prefill_s", "draft_s", "verify_s", "other_s"):
-            setattr(run.stats, key, getattr(run.stats, key) + raw[key])
+        add_rounds(run.stats, RoundStats(**{key: raw[key] for key in RAW_ROUNDS}))
         run.base_tokens += r["baseline"]["tokens"]
         run.base_s += r["baseline"]["seconds"]
         run.spec_tokens += r["speculative"]["tokens"]
@@ -355,19 +404,8 @@ def merge(paths: list[str], out: str | None) -> dict:
         run.skipped += r["skipped"]
         run.mismatches += raw["mismatches"]
     first = reports[0]
-    args = argparse.Namespace(
-        proposer=first["proposer"], bench=first["bench"], tree=first["tree"], max_new_tokens=first["max_new_tokens"],
-        max_turns=first["max_turns"],
-        limit=first["limit"], adaptive=first["adaptive"], no_baseline=first["no_baseline"],
-        device_used=first["device"], shard=f"merged {len(reports)}", temperature=first["sampling"]["temperature"],
-        proposer_sha256=first.get("proposer_sha256"), proposer_notes=first.get("proposer_notes", []),
-        top_k=first["sampling"]["top_k"], top_p=first["sampling"]["top_p"], seed=first["sampling"]["seed"])
-    report = summarize(run, args, argparse.Namespace(name=first["target"]), parse_tree_spec(first["tree"]))
-    report["threads"] = first["threads"]
-    print_report(report)
-    if out:
-        write_json_atomic(Path(out), report)
-    return report
+    settings = Settings.from_report(first, shard=f"merged {len(reports)}")
+    return report_and_write(run, settings, parse_tree_spec(first["tree"]).budget, first["threads"], out)
 
 
 def check_same_run(paths: list[str], reports: list[dict]) -> None:

@@ -5,7 +5,8 @@ smaller index (topological order). Three ways to build one:
   - `Tree.chain(tokens)`                      a single path (prompt lookup, a draft model, Medusa top-1);
   - `TreeShape.from_paths(paths)` + `build_static_tree`  Medusa / EAGLE-1 sparse trees of top-k ranks;
   - `build_dynamic_tree`                      EAGLE-2: expand by cumulative draft log-prob, rerank to a budget.
-`parse_tree_spec` reads the CLI grammar (`chain:K`, `static:eagle1`, `dynamic:total=60,...`).
+`parse_tree_spec` reads the CLI grammar (`chain:K`, `static:eagle1`, `dynamic:total=60,...`); `build_tree`
+builds what a spec asks for from a proposer's expand callback, the one dispatch every drafter proposer uses.
 
 This module knows nothing about models: the proposer's `expand` callback runs its own drafter, and
 the decoder alone talks to the target. Node budgets (`chain:K`, `total`) exclude the root.
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from drafters.decode.sampling import sample_without_replacement
 
 # EAGLE-1 default tree (SafeAILab/EAGLE, eagle/model/choices.py `mc_sim_7b_63`): 25 draft nodes, depth 5.
 EAGLE1_PATHS = [
@@ -116,10 +119,16 @@ class Tree:
         return [self.path_to(i) for i in range(self.num_nodes) if not self.children[i]]
 
     def path_to(self, node: int) -> list[int]:
-        path = [node]
-        while path[-1] != 0:
-            path.append(self.parent_list[path[-1]])
-        return path[::-1]
+        return [0, *reversed(ancestors(node, self.parent_list))] if node else [0]
+
+
+def ancestors(node: int, parents) -> list[int]:
+    # node, its parent, its grandparent, ... up to but excluding the root (0); parents[i] < i
+    walk = []
+    while node > 0:
+        walk.append(node)
+        node = parents[node]
+    return walk
 
 
 # ---------------------------------------------------------------- static trees (top-k rank paths)
@@ -185,6 +194,19 @@ class Frontier:
 
 
 Expand = Callable[[Frontier], Tensor]  # Frontier -> (F, V) draft log-probs (or any scores: higher = better)
+
+
+def frontier_mask(frontier: Frontier, columns: dict[int, int], prefix: int, start: int) -> Tensor:
+    # (F, start + F) bool, for a drafter that appends the frontier's KV at cache columns start .. start+F-1:
+    # node i sees the first `prefix` columns (committed tokens and the root) and its ancestors-or-self below
+    # the root, at the columns earlier levels were given. Records columns[node] = start + i.
+    nodes, parents = frontier.nodes.tolist(), frontier.pool_parents.tolist()
+    mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
+    mask[:, :prefix] = True
+    for i, node in enumerate(nodes):
+        columns[node] = start + i
+        mask[i, [columns[a] for a in ancestors(node, parents)]] = True
+    return mask
 
 
 def build_static_tree(shape: TreeShape, root_token: int, expand: Expand) -> Tree:
@@ -296,6 +318,35 @@ class DynamicSpec:
 
 
 TreeSpec = ChainSpec | StaticSpec | DynamicSpec
+# (depth, draws) -> (expand, probs); see build_tree
+MakeExpand = Callable[[int, int], tuple[Expand, dict[int, Tensor]]]
+
+
+def build_tree(spec: TreeSpec, root_token: int, make_expand: MakeExpand, *, sampled: bool,
+               chain_depth: int | None = None) -> Tree:
+    """The tree `spec` asks for, rooted at `root_token`, drafted by the proposer's make_expand(depth, draws)
+    -> (expand, probs): depth = the deepest level the tree reaches; draws = 0: expand scores candidates
+    (draft log-probs, top-k taken); draws = n > 0: expand returns `ranked_draws` of n draws without
+    replacement per node, and fills probs[node] = the (V,) q that node's children were drawn from.
+    sampled (temperature > 0): chain and static trees draw their nodes and carry q as `draft_probs`;
+    dynamic (EAGLE-2) trees take top-k drafts at every temperature, since their rerank keeps or drops a
+    node by its drawn value, which would bias sampled siblings. chain_depth: a chain's current length
+    (adaptive chains change it between rounds), default spec.length."""
+    if isinstance(spec, DynamicSpec):
+        expand, _ = make_expand(spec.depth, 0)
+        return build_dynamic_tree(root_token, expand, depth=spec.depth, topk=spec.topk, total=spec.total)
+    if isinstance(spec, ChainSpec):
+        shape = chain_shape(spec.length if chain_depth is None else chain_depth)
+    elif isinstance(spec, StaticSpec):
+        shape = spec.shape
+    else:
+        raise TypeError(f"build_tree: unsupported tree spec {spec!r}")
+    if not sampled:
+        expand, _ = make_expand(shape.max_depth, 0)
+        return build_static_tree(shape, root_token, expand)
+    shape = sibling_order(shape)  # child rank r = its parent's draw r
+    expand, probs = make_expand(shape.max_depth, 1 + max(shape.ranks))
+    return with_draft_probs(build_static_tree(shape, root_token, expand), probs)
 
 
 def parse_tree_spec(spec: str) -> TreeSpec:
@@ -387,6 +438,16 @@ def with_draft_probs(tree: Tree, probs: dict[int, Tensor]) -> Tree:
     rows = torch.stack([torch.zeros_like(probs[0])] + [probs[parents[i]] for i in keep[1:]])  # (N', V)
     new_parents = torch.tensor([-1] + [new_id[parents[i]] for i in keep[1:]], device=tree.tokens.device)
     return Tree(tree.tokens[keep], new_parents, rows)
+
+
+def ranked_draws(q: Tensor, draws: int, generator: torch.Generator | None = None) -> Tensor:
+    # q (F, V) -> scores (F, V) whose top-k are `draws` draws without replacement per row (fewer where q's
+    # support is smaller), in draw order: what `expand` returns for sampled trees (build_tree)
+    scores = torch.full(q.shape, float("-inf"), dtype=q.dtype, device=q.device)
+    for row in range(q.shape[0]):
+        drawn = sample_without_replacement(q[row], draws, generator)  # (<= draws,)
+        scores[row, drawn] = -torch.arange(drawn.numel(), dtype=q.dtype, device=q.device)
+    return scores
 
 
 @lru_cache

@@ -90,7 +90,7 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None, aux_layers
     path = Path(path)
     if fmt not in READERS:
         raise ExportCheckError(f"unknown export format {fmt!r}: sglang, vllm or native")
-    config = _read_json(path / "config.json")
+    config = read_json(path / "config.json")
     said = []
     geometry, aux_hf, written = READERS[fmt](config, path / "config.json", said)
     # the field that would hold the ids (SGLang: the ids inside an eagle_config that has no ids)
@@ -100,7 +100,7 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None, aux_layers
         raise ExportCheckError(f"{path / 'config.json'}: required field {missing!r} is missing")
     aux_hf = _resolve_aux_layers(aux_hf, written, aux_layers, fmt, target, path / "config.json", said,
                                  missing=missing)
-    tensors = _read_tensors(path / "model.safetensors")
+    tensors = read_tensors(path / "model.safetensors")
     prefix = {"sglang": "midlayer.", "vllm": "layers.0."}[fmt]
     # speculators saves the verifier's embedding beside the drafter (vLLM then uses it instead
     # of the target's); it is not part of the drafter: `export_embedding` reads it
@@ -181,6 +181,10 @@ def _resolve_aux_layers(recorded: list[int] | None, written: list[int] | None, o
 
 
 EMBEDDING = "embed_tokens.weight"
+# torch_dtype -> the float weights an export may hold; float16: what the EAGLE repository's checkpoints hold
+# (our writers write float32 or bfloat16). The readers' own table, not drafters.dtypes, which the writers cast
+# with: a wrong shared entry would pass writer and reader alike.
+READER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_embedding(path) -> torch.Tensor | None:
@@ -191,19 +195,23 @@ def export_embedding(path) -> torch.Tensor | None:
 
 # ---- config readers: -> (Eagle3Config fields but aux_layers, aux layers as HF indices, as written)
 
-def _read_json(file: Path) -> dict:
+# read_json, get_field and read_tensors: file parsing every format's reader shares (never a writer's table)
+
+def read_json(file: Path, error=None, missing: str = "") -> dict:
+    # error: the reader's ExportCheckError subclass; missing: said after "{file} is missing"
+    error = error or ExportCheckError
     if not file.is_file():
-        raise ExportCheckError(f"{file} is missing")
+        raise error(f"{file} is missing{missing}")
     try:
         value = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ExportCheckError(f"{file}: not valid JSON ({err})") from None
+        raise error(f"{file}: not valid JSON ({err})") from None
     if not isinstance(value, dict):
-        raise ExportCheckError(f"{file}: want a JSON object, got {type(value).__name__}")
+        raise error(f"{file}: want a JSON object, got {type(value).__name__}")
     return value
 
 
-def _get(config: dict, key: str, kind, where: str, *, equals=None):
+def get_field(config: dict, key: str, kind, where: str, *, equals=None):
     if key not in config:
         raise ExportCheckError(f"{where}: required field {key!r} is missing")
     value = config[key]
@@ -218,8 +226,8 @@ def _get(config: dict, key: str, kind, where: str, *, equals=None):
     return value
 
 
-def _int_list(config: dict, key: str, where: str) -> list[int]:
-    value = _get(config, key, list, where)
+def int_list(config: dict, key: str, where: str) -> list[int]:
+    value = get_field(config, key, list, where)
     if not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise ExportCheckError(f"{where}: {key!r} = {value!r} should be a non-empty int list")
     return value
@@ -228,10 +236,10 @@ def _int_list(config: dict, key: str, where: str) -> list[int]:
 def _layer_geometry(config: dict, where: str, notes: list[str]) -> dict:
     """Fields of the one Llama decoder layer (top level for sglang, transformer_layer_config for
     vllm) as Eagle3Config keyword arguments."""
-    _get(config, "model_type", str, where, equals="llama")
-    _get(config, "num_hidden_layers", int, where, equals=1)
-    _get(config, "tie_word_embeddings", bool, where, equals=False)
-    geometry = {key: _get(config, key, int, where) for key in (
+    get_field(config, "model_type", str, where, equals="llama")
+    get_field(config, "num_hidden_layers", int, where, equals=1)
+    get_field(config, "tie_word_embeddings", bool, where, equals=False)
+    geometry = {key: get_field(config, key, int, where) for key in (
         "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
         "max_position_embeddings")}
     defaults = []
@@ -240,9 +248,9 @@ def _layer_geometry(config: dict, where: str, notes: list[str]) -> dict:
                                           "LlamaConfig: = num_attention_heads", where, defaults),
         head_dim=llama_default(config, "head_dim", geometry["hidden_size"] // geometry["num_attention_heads"],
                                "LlamaConfig: = hidden_size / num_attention_heads", where, defaults),
-        rms_norm_eps=_get(config, "rms_norm_eps", float, where),
+        rms_norm_eps=get_field(config, "rms_norm_eps", float, where),
         **rope_fields(config, where, defaults),
-        hidden_act=_get(config, "hidden_act", str, where),
+        hidden_act=get_field(config, "hidden_act", str, where),
         # None: neither spelling (speculators writes `dtype` at its top level only); the weights decide
         torch_dtype=config_dtype(config, where),
     )
@@ -266,7 +274,7 @@ LLAMA_ROPE_THETA = 10000.0  # LlamaConfig's default base, in transformers 4.x an
 def llama_default(config: dict, key: str, default: int, rule: str, where: str, defaults: list[str]) -> int:
     """An int field LlamaConfig derives when it is absent (head_dim, num_key_value_heads)."""
     if config.get(key) is not None:
-        return _get(config, key, int, where)
+        return get_field(config, key, int, where)
     defaults.append(f"{key} {default} ({rule})")
     return default
 
@@ -284,16 +292,16 @@ def rope_fields(config: dict, where: str, defaults: list[str]) -> dict:
     no scaling (the EAGLE repository's Llama-2 configs), appended to `defaults`."""
     theta = scaling = None
     if config.get("rope_theta") is not None:
-        theta = float(_get(config, "rope_theta", (int, float), where))
+        theta = float(get_field(config, "rope_theta", (int, float), where))
     if config.get("rope_scaling") is not None:
-        scaling = _scaling(_get(config, "rope_scaling", dict, where), f"{where} rope_scaling")
+        scaling = _scaling(get_field(config, "rope_scaling", dict, where), f"{where} rope_scaling")
     if config.get("rope_parameters") is not None:
-        rope = dict(_get(config, "rope_parameters", dict, where))
+        rope = dict(get_field(config, "rope_parameters", dict, where))
         inner = f"{where} rope_parameters"
         if "rope_theta" not in rope:  # per layer type (Gemma-3 style): a Llama draft layer has one
             raise ExportCheckError(f"{inner}: {sorted(rope)} holds no rope_theta; want {{rope_type, "
                                    "rope_theta, ...}} for the drafter's one layer")
-        new_theta = float(_get(rope, "rope_theta", (int, float), inner))
+        new_theta = float(get_field(rope, "rope_theta", (int, float), inner))
         del rope["rope_theta"]
         new_scaling = _scaling(rope, inner)
         if theta is not None and theta != new_theta:
@@ -323,7 +331,7 @@ def _scaling(rope: dict, where: str) -> dict | None:
 def config_dtype(config: dict, where: str) -> str | None:
     """The weights' dtype as the config states it: `torch_dtype` (transformers 4.x) or `dtype` (5.x);
     both must agree; None when neither is there (then the weights decide)."""
-    found = {key: _get(config, key, str, where) for key in ("torch_dtype", "dtype")
+    found = {key: get_field(config, key, str, where) for key in ("torch_dtype", "dtype")
              if config.get(key) is not None}
     if len(set(found.values())) > 1:
         raise ExportCheckError(f"{where}: torch_dtype = {found['torch_dtype']!r} but dtype = "
@@ -346,24 +354,24 @@ def _refuse_options(config: dict, where: str) -> None:
 
 def _read_sglang(config: dict, where, notes: list[str]) -> tuple[dict, list[int] | None, list[int] | None]:
     where = str(where)
-    _get(config, "architectures", list, where, equals=["LlamaForCausalLMEagle3"])
+    get_field(config, "architectures", list, where, equals=["LlamaForCausalLMEagle3"])
     geometry = _layer_geometry(config, where, notes)
-    geometry["draft_vocab_size"] = _get(config, "draft_vocab_size", int, where)
+    geometry["draft_vocab_size"] = get_field(config, "draft_vocab_size", int, where)
     if "target_hidden_size" in config:  # optional for SGLang; fc in_features = 3 * it
-        _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+        get_field(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
     _refuse_options(config, where)
     # SGLang reads eagle_config.get(...) when there is one: no eagle_config, or one without ids,
     # leaves the ids to the engine's default (resolved by read_eagle3_export)
     eagle = config.get("eagle_config")
     if eagle is None:
         return geometry, None, None
-    eagle = _get(config, "eagle_config", dict, where)
+    eagle = get_field(config, "eagle_config", dict, where)
     _refuse_options(eagle, f"{where} eagle_config")
     if eagle.get("use_aux_hidden_state", True) is not True:  # SGLang's default: True
-        _get(eagle, "use_aux_hidden_state", bool, f"{where} eagle_config", equals=True)
+        get_field(eagle, "use_aux_hidden_state", bool, f"{where} eagle_config", equals=True)
     if eagle.get("eagle_aux_hidden_state_layer_ids") is None:
         return geometry, None, None
-    ids = _int_list(eagle, "eagle_aux_hidden_state_layer_ids", f"{where} eagle_config")
+    ids = int_list(eagle, "eagle_aux_hidden_state_layer_ids", f"{where} eagle_config")
     # SGLang "output of layer" ids: it captures the input of layer id+1 = HF index id+1
     return geometry, [i + 1 for i in ids], ids
 
@@ -371,13 +379,13 @@ def _read_sglang(config: dict, where, notes: list[str]) -> tuple[dict, list[int]
 def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] | None, list[int] | None]:
     where = str(where)
     # ours: the config class's default name; speculators' own saves: the model class's name
-    if _get(config, "architectures", list, where) not in (["Eagle3Speculator"], ["Eagle3DraftModel"]):
+    if get_field(config, "architectures", list, where) not in (["Eagle3Speculator"], ["Eagle3DraftModel"]):
         raise ExportCheckError(f"{where}: architectures {config['architectures']}, want "
                                "['Eagle3Speculator'] or ['Eagle3DraftModel']")
-    _get(config, "speculators_model_type", str, where, equals="eagle3")
+    get_field(config, "speculators_model_type", str, where, equals="eagle3")
     _refuse_options(config, where)
-    _get(config, "speculators_version", str, where)
-    layer = _get(config, "transformer_layer_config", dict, where)
+    get_field(config, "speculators_version", str, where)
+    layer = get_field(config, "transformer_layer_config", dict, where)
     geometry = _layer_geometry(layer, f"{where} transformer_layer_config", notes)
     top_dtype = config_dtype(config, where)  # speculators under transformers 5.x: here only
     if geometry["torch_dtype"] is None:
@@ -385,38 +393,38 @@ def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] |
     elif top_dtype not in (None, geometry["torch_dtype"]):
         raise ExportCheckError(f"{where}: dtype {top_dtype!r} at the top level but "
                                f"{geometry['torch_dtype']!r} in transformer_layer_config")
-    geometry["draft_vocab_size"] = _get(config, "draft_vocab_size", int, where)
+    geometry["draft_vocab_size"] = get_field(config, "draft_vocab_size", int, where)
     # vLLM defaults a missing norm_before_residual to True; this drafter's residual is the
     # un-normed hidden input, i.e. False
-    _get(config, "norm_before_residual", bool, where, equals=False)
+    get_field(config, "norm_before_residual", bool, where, equals=False)
     if config.get("target_hidden_size", 0) is not None:  # speculators writes null: = hidden_size
-        _get(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
-    _check_speculators_config(_get(config, "speculators_config", dict, where),
+        get_field(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+    _check_speculators_config(get_field(config, "speculators_config", dict, where),
                               f"{where} speculators_config")
     if config.get("eagle_aux_hidden_state_layer_ids") is None:  # vLLM: then the model's default
         return geometry, None, None
-    ids = _int_list(config, "eagle_aux_hidden_state_layer_ids", where)
+    ids = int_list(config, "eagle_aux_hidden_state_layer_ids", where)
     return geometry, list(ids), ids  # vLLM captures the input of layer id = HF index id
 
 
 def _check_speculators_config(spec: dict, where: str) -> None:
-    _get(spec, "algorithm", str, where, equals="eagle3")
-    methods = _get(spec, "proposal_methods", list, where)
+    get_field(spec, "algorithm", str, where, equals="eagle3")
+    methods = get_field(spec, "proposal_methods", list, where)
     if not methods or not all(isinstance(m, dict) for m in methods):
         raise ExportCheckError(f"{where}: proposal_methods must be a non-empty list of objects")
     for i, method in enumerate(methods):
-        _get(method, "proposal_type", str, f"{where} proposal_methods[{i}]")
-        tokens = _get(method, "speculative_tokens", int, f"{where} proposal_methods[{i}]")
+        get_field(method, "proposal_type", str, f"{where} proposal_methods[{i}]")
+        tokens = get_field(method, "speculative_tokens", int, f"{where} proposal_methods[{i}]")
         if tokens < 1:
             raise ExportCheckError(f"{where} proposal_methods[{i}]: speculative_tokens={tokens}")
-    _get(methods[0], "proposal_type", str, f"{where} proposal_methods[0]", equals="greedy")
-    default = _get(spec, "default_proposal_method", str, where)
+    get_field(methods[0], "proposal_type", str, f"{where} proposal_methods[0]", equals="greedy")
+    default = get_field(spec, "default_proposal_method", str, where)
     if default not in [m["proposal_type"] for m in methods]:
         raise ExportCheckError(f"{where}: default_proposal_method {default!r} is none of the "
                                "proposal_methods")
-    verifier = _get(spec, "verifier", dict, where)
-    _get(verifier, "name_or_path", str, f"{where} verifier")
-    archs = _get(verifier, "architectures", list, f"{where} verifier")
+    verifier = get_field(spec, "verifier", dict, where)
+    get_field(verifier, "name_or_path", str, f"{where} verifier")
+    archs = get_field(verifier, "architectures", list, f"{where} verifier")
     if not all(isinstance(a, str) for a in archs):
         raise ExportCheckError(f"{where} verifier: architectures must be strings, got {archs}")
 
@@ -426,13 +434,14 @@ READERS = {"sglang": _read_sglang, "vllm": _read_vllm}
 
 # ---- tensors -------------------------------------------------------------------------------------
 
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+def read_tensors(file: Path, error=None, missing: str = "") -> dict[str, torch.Tensor]:
+    error = error or ExportCheckError
     if not file.is_file():
-        raise ExportCheckError(f"{file} is missing")
+        raise error(f"{file} is missing{missing}")
     try:
         return load_file(file)
     except (SafetensorError, OSError) as err:
-        raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
+        raise error(f"{file}: not a readable safetensors file ({err})") from None
 
 
 def expected_shapes(g: dict, num_aux: int, layer: str) -> dict[str, tuple[int, ...]]:
@@ -486,8 +495,7 @@ def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path
         raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got "
                                f"{tensors['d2t'].dtype} / {tensors['t2d'].dtype}")
     floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    # float16: what the EAGLE repository's checkpoints hold (our writer writes fp32 or bf16)
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    wanted = READER_DTYPES
     if len(floats) != 1 or not floats <= set(wanted.values()):
         raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16 (or all "
                                f"float16, as the EAGLE repository's), got {sorted(map(str, floats))}")

@@ -10,18 +10,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
+from drafters.dtypes import dtype_name, spellings
 from drafters.export.check import check_finite
+from drafters.files import move_dir_into_place
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
+EXPORT_DTYPES = ("float32", "bfloat16")  # what engines load; drafters.dtypes names
+EXPORT_DTYPE_SPELLINGS = spellings(EXPORT_DTYPES)  # float32, bfloat16, fp32, bf16 (eval/export.py --dtype)
 
 
 class ExportError(ValueError):
     pass
+
+
+def export_dtype(dtype: str) -> str:
+    """'fp32' / 'float32' -> 'float32', 'bf16' / 'bfloat16' -> 'bfloat16' (drafters.dtypes): what an
+    export's weights are cast to and its config's torch_dtype says."""
+    try:
+        return dtype_name(dtype, EXPORT_DTYPES)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
 
 
 @dataclass
@@ -32,6 +43,18 @@ class ExportResult:
     files: list[str]
     config: dict  # what was written to the config file
     check: object = None  # drafters.export.check.CheckReport
+
+
+def export_target(ckpt: Checkpoint, target=None) -> dict:
+    """The target facts (target_info fields) to export against: a loaded target's, once it is checked
+    against what the checkpoint records, else what the checkpoint records. Raises ExportError."""
+    if target is None:
+        return dict(ckpt.target)
+    try:
+        check_target(ckpt, target)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    return target_info(target)
 
 
 def load_source(ckpt_dir) -> Checkpoint:
@@ -104,6 +127,23 @@ def exported_files(out_dir: Path) -> list[str]:
     return sorted(p.name for p in out_dir.iterdir() if p.name != MARKER)
 
 
+def export_files(out_dir: Path, source, fmt: str, dtype: str, config: dict, tensors: dict, weights_file: str,
+                 check, overwrite: bool) -> ExportResult:
+    """A format of one config.json and one safetensors file: both written, check(payload) -> the report of
+    the format's independent reader, then placed as write_staged does. dtype: as the caller named it."""
+
+    def write(payload: Path):
+        payload.mkdir()
+        save_file(tensors, payload / weights_file, metadata={"format": "pt"})
+        (payload / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return check(payload)
+
+    report = write_staged(out_dir, source, fmt, write, overwrite)
+    report.path = out_dir
+    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
+                        files=exported_files(out_dir))
+
+
 def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
     """write(payload) writes and validates the export in a temporary sibling directory -> its
     result; then the marker is added and the directory renamed into place."""
@@ -114,7 +154,7 @@ def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
         marker = {"files": exported_files(payload), "format": fmt, "source": str(source)}
         (payload / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         check_out_dir(out_dir, source, overwrite)  # again: it may have changed meanwhile
-        _move_into_place(payload, out_dir)
+        move_dir_into_place(payload, out_dir, payload.parent.name)  # a replaceable earlier export
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result
@@ -123,16 +163,6 @@ def write_staged(out_dir: Path, source, fmt: str, write, overwrite: bool):
 def _parent(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     return path.parent
-
-
-def _move_into_place(payload: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # a replaceable earlier export: moved aside, so a crash keeps one of the two
-        old = out_dir.with_name(f".{out_dir.name}.old-{payload.parent.name}")
-        out_dir.rename(old)
-        payload.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        payload.rename(out_dir)
 
 
 def describe(result: ExportResult) -> str:

@@ -31,27 +31,25 @@ its draft logits with the source checkpoint's (the same stand-in head on both: t
 target's) before the directory is renamed into place.
 """
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
+from drafters.checkpoint import Checkpoint
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab, DraftVocabError
-from drafters.export.check import CheckReport, ExportCheckError, check_finite
+from drafters.export.check import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
+                                   read_tensors)
+from drafters.dtypes import DTYPES
 from drafters.export.common import (
-    DTYPES,
-    TORCH_DTYPE_NAMES,
     ExportError,
     ExportResult,
     check_out_dir,
-    exported_files,
+    export_dtype,
+    export_files,
+    export_target,
     load_source,
-    write_staged,
 )
 
 FORMATS = ("sglang", "vllm")
@@ -69,8 +67,7 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
     the export carries the target's LM head rows)."""
     if fmt not in FORMATS:
         raise ExportError(f"a dflash checkpoint exports to {' / '.join(FORMATS)} or native, not {fmt!r}")
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
@@ -79,43 +76,30 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
     if not 1 <= tokens <= c.block_size - 1:
         raise ExportError(f"speculative_tokens={tokens}: a DFlash block of {c.block_size} drafts 1 .. "
                           f"{c.block_size - 1} tokens")
-    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
+    state = {k: v.to(DTYPES[canonical]) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
     full = c.draft_vocab_size == c.vocab_size
     if fmt == "sglang":
-        config = sglang_config(c, expected["num_layers"], dtype)
+        config = sglang_config(c, expected["num_layers"], canonical)
         tensors = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     else:
-        config = vllm_config(c, dtype, tokens, verifier or expected["name"], expected.get("architectures") or [])
+        config = vllm_config(c, canonical, tokens, verifier or expected["name"], expected.get("architectures") or [])
         tensors = {k: v for k, v in state.items() if not (full and k in ("d2t", "t2d"))}
         if not full:
             used = DraftVocab.from_state_dict(ckpt.state_dict).used
             tensors["lm_head.weight"] = target.lm_head.weight.detach()[used.to(target.lm_head.weight.device)] \
-                .to("cpu", DTYPES[dtype])
-
-    def write(payload: Path) -> CheckReport:
-        payload.mkdir()
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, payload / WEIGHTS_FILE,
-                  metadata={"format": "pt"})
-        (payload / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        head = target.lm_head.weight if target is not None else None
-        return check_dflash_export(payload, fmt, target=expected, reference=ckpt, target_head=head)
-
-    report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)
-    report.path = out_dir
-    return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
-                        files=exported_files(out_dir))
+                .to("cpu", DTYPES[canonical])
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    head = target.lm_head.weight if target is not None else None
+    return export_files(out_dir, ckpt_dir, fmt, dtype, config, tensors, WEIGHTS_FILE,
+                        lambda payload: check_dflash_export(payload, fmt, target=expected, reference=ckpt,
+                                                            target_head=head), overwrite)
 
 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConfig]:
     """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
     if ckpt.family != "dflash":
         raise ExportError(f"{ckpt.path}: a {ckpt.family} checkpoint, not dflash")
-    if target is not None:
-        try:
-            check_target(ckpt, target)
-        except CheckpointError as err:
-            raise ExportError(str(err)) from None
-    expected = target_info(target) if target is not None else dict(ckpt.target)
+    expected = export_target(ckpt, target)
     try:
         c = DFlashConfig(**ckpt.config)
     except TypeError as err:
@@ -174,7 +158,7 @@ def qwen3_layer_fields(c: DFlashConfig, dtype: str) -> dict:
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * c.num_hidden_layers,  # DFlash: full = bidirectional in the block
         "tie_word_embeddings": False,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": dtype,  # a drafters.dtypes name: float32 | bfloat16
     }
 
 
@@ -227,15 +211,15 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
     if fmt not in ("sglang", "vllm"):
         raise ExportCheckError(f"unknown DFlash export format {fmt!r}: sglang or vllm")
     where = str(path / CONFIG_FILE)
-    config = _json(path / CONFIG_FILE)
+    config = read_json(path / CONFIG_FILE)
     if fmt == "sglang":
-        _want(config, "architectures", list, where, equals=["DFlashDraftModel"])
-        layer, dflash = config, _want(config, "dflash_config", dict, where)
-        written = _ints(dflash, "target_layer_ids", f"{where} dflash_config")
+        get_field(config, "architectures", list, where, equals=["DFlashDraftModel"])
+        layer, dflash = config, get_field(config, "dflash_config", dict, where)
+        written = int_list(dflash, "target_layer_ids", f"{where} dflash_config")
         aux = [i + 1 for i in written]  # SGLang / reference: hidden_states[id + 1]
-        mask_token = _want(dflash, "mask_token_id", int, f"{where} dflash_config")
-        block = _want(dflash, "block_size", int, f"{where} dflash_config") if "block_size" in dflash else \
-            _want(config, "block_size", int, where)
+        mask_token = get_field(dflash, "mask_token_id", int, f"{where} dflash_config")
+        block = get_field(dflash, "block_size", int, f"{where} dflash_config") if "block_size" in dflash else \
+            get_field(config, "block_size", int, where)
         if "block_size" in config and config["block_size"] != block:
             raise ExportCheckError(f"{where}: block_size {config['block_size']} and dflash_config.block_size {block} "
                                    "disagree")
@@ -245,18 +229,18 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
             raise ExportCheckError(f"{where}: num_target_layers {config['num_target_layers']} but the target has "
                                    f"{target['num_layers']}")
     else:
-        if _want(config, "architectures", list, where) not in (["DFlashSpeculator"], ["DFlashDraftModel"]):
+        if get_field(config, "architectures", list, where) not in (["DFlashSpeculator"], ["DFlashDraftModel"]):
             raise ExportCheckError(f"{where}: architectures {config['architectures']}, want ['DFlashSpeculator'] or "
                                    "['DFlashDraftModel']")
-        _want(config, "speculators_model_type", str, where, equals="dflash")
-        _want(config, "speculators_version", str, where)
-        geometry = _qwen3_layers(_want(config, "transformer_layer_config", dict, where),
+        get_field(config, "speculators_model_type", str, where, equals="dflash")
+        get_field(config, "speculators_version", str, where)
+        geometry = _qwen3_layers(get_field(config, "transformer_layer_config", dict, where),
                                  f"{where} transformer_layer_config")
-        draft_vocab = _want(config, "draft_vocab_size", int, where)
-        block = _want(config, "block_size", int, where)
-        written = _ints(config, "aux_hidden_state_layer_ids", where)
+        draft_vocab = get_field(config, "draft_vocab_size", int, where)
+        block = get_field(config, "block_size", int, where)
+        written = int_list(config, "aux_hidden_state_layer_ids", where)
         aux = list(written)
-        mask_token = _want(config, "mask_token_id", int, where)
+        mask_token = get_field(config, "mask_token_id", int, where)
         if config.get("sample_from_anchor", False) is not False:
             raise ExportCheckError(f"{where}: sample_from_anchor = {config['sample_from_anchor']!r}: slot 0 predicts "
                                    "a token there (DSpark's layout); this DFlash drafter's slot 0 is the anchor")
@@ -264,16 +248,16 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
             raise ExportCheckError(f"{where}: projector_type {config.get('projector_type')!r} / shift_label "
                                    f"{config.get('shift_label')!r}: a Domino drafter, not DFlash")
         if config.get("target_hidden_size") is not None:
-            _want(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
-        spec = _want(config, "speculators_config", dict, where)
-        _want(spec, "algorithm", str, f"{where} speculators_config", equals="dflash")
-        methods = _want(spec, "proposal_methods", list, f"{where} speculators_config")
+            get_field(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
+        spec = get_field(config, "speculators_config", dict, where)
+        get_field(spec, "algorithm", str, f"{where} speculators_config", equals="dflash")
+        methods = get_field(spec, "proposal_methods", list, f"{where} speculators_config")
         if not methods or not all(isinstance(m, dict) and isinstance(m.get("speculative_tokens"), int)
                                   and 1 <= m["speculative_tokens"] <= block - 1 for m in methods):
             raise ExportCheckError(f"{where} speculators_config: proposal_methods must give speculative_tokens in "
                                    f"1..{block - 1} (block_size - 1)")
-        verifier = _want(spec, "verifier", dict, f"{where} speculators_config")
-        _want(verifier, "name_or_path", str, f"{where} speculators_config verifier")
+        verifier = get_field(spec, "verifier", dict, f"{where} speculators_config")
+        get_field(verifier, "name_or_path", str, f"{where} speculators_config verifier")
     if not 0 <= mask_token < geometry["vocab_size"]:
         raise ExportCheckError(f"{where}: mask_token_id {mask_token} is not a token id (vocab {geometry['vocab_size']})")
     if block < 2:
@@ -289,7 +273,7 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
                                    f"for the {target['num_layers']}-layer target")
     c = DFlashConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
                      aux_layers=aux)
-    tensors = _tensors(path / WEIGHTS_FILE)
+    tensors = read_tensors(path / WEIGHTS_FILE)
     head, dtype = _check_dflash_tensors(tensors, c, config_dtype, fmt, path / WEIGHTS_FILE)
     if "d2t" not in tensors:  # full vocabulary: draft id i = target id i
         tensors["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
@@ -297,38 +281,8 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
     return c, tensors, head, written, dtype
 
 
-def _json(file: Path) -> dict:
-    if not file.is_file():
-        raise ExportCheckError(f"{file} is missing")
-    try:
-        value = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ExportCheckError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ExportCheckError(f"{file}: want a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _want(config: dict, key: str, kind, where: str, *, equals=None):
-    if key not in config:
-        raise ExportCheckError(f"{where}: required field {key!r} is missing")
-    value, kinds = config[key], kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-        raise ExportCheckError(f"{where}: field {key!r} = {value!r} has the wrong type")
-    if equals is not None and value != equals:
-        raise ExportCheckError(f"{where}: field {key!r} = {value!r}, the format requires {equals!r}")
-    return value
-
-
-def _ints(config: dict, key: str, where: str) -> list[int]:
-    value = _want(config, key, list, where)
-    if not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise ExportCheckError(f"{where}: {key!r} = {value!r} should be a non-empty int list")
-    return value
-
-
 def _qwen3_layers(config: dict, where: str) -> dict:
-    _want(config, "model_type", str, where, equals="qwen3")
+    get_field(config, "model_type", str, where, equals="qwen3")
     if config.get("tie_word_embeddings", False) is not False:
         raise ExportCheckError(f"{where}: tie_word_embeddings = {config['tie_word_embeddings']!r}: the drafter has "
                                "no embedding of its own to tie")
@@ -339,34 +293,25 @@ def _qwen3_layers(config: dict, where: str) -> dict:
     if any(t != "full_attention" for t in layer_types) or config.get("use_sliding_window", False):
         raise ExportCheckError(f"{where}: sliding-window draft layers ({layer_types}): this project's DFlash "
                                "layers see the whole context")
-    g = {key: _want(config, key, int, where) for key in (
+    g = {key: get_field(config, key, int, where) for key in (
         "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
         "head_dim", "vocab_size", "max_position_embeddings")}
     if layer_types and len(layer_types) != g["num_hidden_layers"]:
         raise ExportCheckError(f"{where}: {len(layer_types)} layer_types for {g['num_hidden_layers']} layers")
     if "rope_theta" in config or "rope_parameters" not in config:
-        rope = {"rope_theta": float(_want(config, "rope_theta", (int, float), where)),
-                "rope_scaling": _want(config, "rope_scaling", (dict, type(None)), where)}
+        rope = {"rope_theta": float(get_field(config, "rope_theta", (int, float), where)),
+                "rope_scaling": get_field(config, "rope_scaling", (dict, type(None)), where)}
     else:  # transformers 5.x saves rope_parameters {rope_type, rope_theta, ...}
-        params = dict(_want(config, "rope_parameters", dict, where))
+        params = dict(get_field(config, "rope_parameters", dict, where))
         theta = params.pop("rope_theta", None)
         if not isinstance(theta, (int, float)):
             raise ExportCheckError(f"{where}: rope_parameters has no rope_theta")
         rope = {"rope_theta": float(theta),
                 "rope_scaling": params if params.get("rope_type", "default") != "default" else None}
     dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
-    return {**g, **rope, "rms_norm_eps": _want(config, "rms_norm_eps", float, where),
-            "hidden_act": _want(config, "hidden_act", str, where),
+    return {**g, **rope, "rms_norm_eps": get_field(config, "rms_norm_eps", float, where),
+            "hidden_act": get_field(config, "hidden_act", str, where),
             "torch_dtype": config.get(dtype_key)}
-
-
-def _tensors(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise ExportCheckError(f"{file} is missing")
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError) as err:
-        raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
 
 
 def dflash_shapes(c: DFlashConfig, fmt: str) -> dict[str, tuple[int, ...]]:

@@ -27,7 +27,8 @@ import torch
 
 from drafters.checkpoint import save_checkpoint
 from drafters.export.check import check_export  # the independent reader of sglang / vllm / native
-from drafters.export.common import (DTYPES, ExportError, ExportResult, cast_floats, check_out_dir, exported_files,
+from drafters.dtypes import DTYPES
+from drafters.export.common import (ExportError, ExportResult, cast_floats, check_out_dir, export_dtype, exported_files,
                                     load_source, write_staged)
 from drafters.export.dflash import export_dflash
 from drafters.export.eagle1 import export_eagle1
@@ -52,19 +53,18 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
         return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
     if fmt == "eagle1":  # official EAGLE-1 layout: writer and independent reader in drafters.export.eagle1
         return export_eagle1(ckpt_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
     expected = preflight(ckpt, fmt, target)
-    state = cast_floats(ckpt.state_dict, DTYPES[dtype])
+    state = cast_floats(ckpt.state_dict, DTYPES[canonical])
 
     def write(payload: Path):
-        config = _write(fmt, ckpt, state, payload, expected, dtype, speculative_tokens,
-                        verifier or expected["name"], _embedding(fmt, target, DTYPES[dtype]))
+        config = _write(fmt, ckpt, state, payload, expected, canonical, speculative_tokens,
+                        verifier or expected["name"], _embedding(fmt, target, DTYPES[canonical]))
         return config, check_export(payload, fmt, target=expected, reference=ckpt)
 
     config, report = write_staged(out_dir, ckpt_dir, fmt, write, overwrite)

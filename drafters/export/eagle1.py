@@ -30,21 +30,19 @@ and LlamaConfig apply (bias true, head_dim, num_key_value_heads, rope_theta 1000
 float16 weights.
 """
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
+from drafters.checkpoint import Checkpoint
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.layers import DraftKVCache
-from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
-                             exported_files, load_source, write_staged)
-from drafters.export.check import (CheckReport, ExportCheckError, check_finite, config_dtype, llama_default,
-                                   note_defaults, rope_fields)
+from drafters.dtypes import DTYPES
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
+                                    export_target, load_source)
+from drafters.export.check import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, config_dtype, get_field,
+                                   llama_default, note_defaults, read_json, read_tensors, rope_fields)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -54,25 +52,15 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 def export_eagle1(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", overwrite: bool = False) -> ExportResult:
     """target: a loaded drafters Target to validate against (else the checkpoint's target info)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
     expected, c = preflight(ckpt, target)
-    files = official_config(c, dtype)
-    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous().clone() for k, v in ckpt.state_dict.items()}
-
-    def write(payload: Path) -> CheckReport:
-        payload.mkdir()
-        save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})  # names are already official
-        (payload / CONFIG_FILE).write_text(json.dumps(files, indent=2) + "\n")
-        return check_eagle1_export(payload, target=expected, reference=ckpt)
-
-    report = write_staged(out_dir, ckpt_dir, "eagle1", write, overwrite)
-    report.path = out_dir
-    return ExportResult(path=out_dir, fmt="eagle1", dtype=dtype, config=files, check=report,
-                        files=exported_files(out_dir))
+    tensors = {k: v.detach().to("cpu", DTYPES[canonical]).contiguous().clone()  # names are already official
+               for k, v in ckpt.state_dict.items()}
+    return export_files(out_dir, ckpt_dir, "eagle1", dtype, official_config(c, canonical), tensors, WEIGHTS_FILE,
+                        lambda payload: check_eagle1_export(payload, target=expected, reference=ckpt), overwrite)
 
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
@@ -80,12 +68,7 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
     if ckpt.family != "eagle1":
         raise ExportError(f"export of a {ckpt.family} checkpoint to eagle1 (the official EAGLE-1 layout) is not "
                           f"supported; use --format native (or the {ckpt.family} family's own format)")
-    if target is not None:
-        try:
-            check_target(ckpt, target)
-        except CheckpointError as err:
-            raise ExportError(str(err)) from None
-    expected = target_info(target) if target is not None else dict(ckpt.target)
+    expected = export_target(ckpt, target)
     try:
         c = Eagle1Config(**ckpt.config)
     except TypeError as err:
@@ -127,7 +110,7 @@ def official_config(c: Eagle1Config, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": dtype,
     }
 
 
@@ -146,38 +129,38 @@ def read_eagle1_export(path, *, target: dict | None = None,
     EAGLE repository's configs leave out take the defaults its loader and LlamaConfig apply, one line
     about them appended to `notes`."""
     path = Path(path)
-    config = _read_json(path / CONFIG_FILE)
+    config = read_json(path / CONFIG_FILE)
     where = str(path / CONFIG_FILE)
-    if _field(config, "architectures", list, where) not in ARCHITECTURES:
+    if get_field(config, "architectures", list, where) not in ARCHITECTURES:
         raise ExportCheckError(f"{where}: field 'architectures' = {config['architectures']!r}, the format "
                                f"requires one of {list(ARCHITECTURES)}")
-    _field(config, "model_type", str, where, equals="llama")
-    _field(config, "num_hidden_layers", int, where, equals=1)
+    get_field(config, "model_type", str, where, equals="llama")
+    get_field(config, "num_hidden_layers", int, where, equals=1)
     defaults = []
     if "bias" in config:  # the EAGLE repository's loader: `bias = con["bias"]`, absent -> True
-        _field(config, "bias", bool, where, equals=True)
+        get_field(config, "bias", bool, where, equals=True)
     else:
         defaults.append("bias true (the EAGLE repository's loader: fc has a bias)")
-    _field(config, "tie_word_embeddings", bool, where, equals=False)
+    get_field(config, "tie_word_embeddings", bool, where, equals=False)
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag, False) is not False:
             raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter's layer has no biases")
-    g = {key: _field(config, key, int, where) for key in (
+    g = {key: get_field(config, key, int, where) for key in (
         "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "max_position_embeddings")}
     g["num_key_value_heads"] = llama_default(config, "num_key_value_heads", g["num_attention_heads"],
                                              "LlamaConfig: = num_attention_heads", where, defaults)
     g["head_dim"] = llama_default(config, "head_dim", g["hidden_size"] // g["num_attention_heads"],
                                   "LlamaConfig: = hidden_size / num_attention_heads", where, defaults)
-    c = Eagle1Config(**g, rms_norm_eps=_field(config, "rms_norm_eps", float, where),
+    c = Eagle1Config(**g, rms_norm_eps=get_field(config, "rms_norm_eps", float, where),
                      **rope_fields(config, where, defaults),
-                     hidden_act=_field(config, "hidden_act", str, where), feature="normed")
+                     hidden_act=get_field(config, "hidden_act", str, where), feature="normed")
     stated_dtype = config_dtype(config, where)
     if target is not None:
         for key in ("hidden_size", "vocab_size", "max_position_embeddings"):
             if g[key] != target.get(key):
                 raise ExportCheckError(f"{where}: {key} = {g[key]} but the target has {target.get(key)}; the "
                                        "drafter would run with lost acceptance")
-    tensors = _read_tensors(path / WEIGHTS_FILE)
+    tensors = read_tensors(path / WEIGHTS_FILE)
     check_finite(tensors, path / WEIGHTS_FILE)
     dtype = _check_tensors(tensors, g, stated_dtype, path / WEIGHTS_FILE)
     if notes is not None:
@@ -228,38 +211,6 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
     return CheckReport(path, "eagle1", "eagle1", None, None, str(dtype), len(state), *diffs)
 
 
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        raise ExportCheckError(f"{file} is missing")
-    try:
-        value = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ExportCheckError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ExportCheckError(f"{file}: want a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _field(config: dict, key: str, kind, where: str, *, equals=None):
-    if key not in config:
-        raise ExportCheckError(f"{where}: required field {key!r} is missing")
-    value, kinds = config[key], kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-        raise ExportCheckError(f"{where}: field {key!r} = {value!r} has the wrong type")
-    if equals is not None and value != equals:
-        raise ExportCheckError(f"{where}: field {key!r} = {value!r}, the format requires {equals!r}")
-    return value
-
-
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise ExportCheckError(f"{file} is missing")
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError) as err:
-        raise ExportCheckError(f"{file}: not a readable safetensors file ({err})") from None
-
-
 def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path) -> torch.dtype:
     shapes = expected_shapes(g)
     missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
@@ -269,9 +220,7 @@ def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path
     wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
     if wrong:
         raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
-    # float16: what the EAGLE repository's checkpoints hold (our writer writes fp32 or bf16)
-    floats = {v.dtype for v in tensors.values()}
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    floats, wanted = {v.dtype for v in tensors.values()}, READER_DTYPES
     if len(floats) != 1 or not floats <= set(wanted.values()):
         raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16 (or all float16, as the EAGLE "
                                f"repository's), got {sorted(map(str, floats))}")

@@ -33,10 +33,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
+from drafters.checkpoint import Checkpoint
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.export.common import CONFIG_FILE, TORCH_DTYPE_NAMES, WEIGHTS_FILE, ExportError
+from drafters.export.common import CONFIG_FILE, WEIGHTS_FILE, ExportError, export_target
 
 ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
@@ -50,12 +50,7 @@ def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
         formats = {"eagle1": "eagle1 or native", "medusa": "medusa or native"}.get(ckpt.family, "native")
         raise ExportError(f"export of a {ckpt.family} checkpoint to {fmt} is not supported (sglang and vllm "
                           f"hold EAGLE-3 drafters); use --format {formats}")
-    if target is not None:
-        try:
-            check_target(ckpt, target)
-        except CheckpointError as err:
-            raise ExportError(str(err)) from None
-    expected = target_info(target) if target is not None else dict(ckpt.target)
+    expected = export_target(ckpt, target)
     if ckpt.family != "eagle3":
         return expected
     missing = [k for k in ("num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
@@ -149,7 +144,8 @@ def _vllm_name(key: str) -> str:
 
 def llama_layer_fields(c: Eagle3Config, dtype: str) -> dict:
     """The one decoder layer as Llama config fields. rope_theta / rope_scaling are the legacy
-    keys: transformers 4.x (what the engines pin) reads them and 5.x converts them."""
+    keys: transformers 4.x (what the engines pin) reads them and 5.x converts them. dtype: a
+    drafters.dtypes name (float32 | bfloat16), written as torch_dtype."""
     return {
         "model_type": "llama",
         "num_hidden_layers": 1,
@@ -167,7 +163,7 @@ def llama_layer_fields(c: Eagle3Config, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,  # True makes SGLang use the embedding as lm_head
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": dtype,
     }
 
 

@@ -25,19 +25,17 @@ field, name, shape and dtype, rebuilds the heads from the files and compares the
 the source checkpoint's, and only then renames the directory into place.
 """
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, target_info
-from drafters.export.common import (DTYPES, TORCH_DTYPE_NAMES, ExportError, ExportResult, check_out_dir,
-                             exported_files, load_source, write_staged)
-from drafters.export.check import ExportCheckError, check_finite, config_dtype
+from drafters.checkpoint import Checkpoint, CheckpointError
+from drafters.dtypes import DTYPES
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
+                                    export_target, load_source)
+from drafters.export.check import ExportCheckError, check_finite, config_dtype, read_json, read_tensors
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.registry import load_drafter
 
@@ -76,8 +74,7 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
                   overwrite: bool = False) -> ExportResult:
     """target: a loaded drafters Target to validate against (else the checkpoint's target info);
     base_model: base_model_name_or_path to write (default: the target's Hub id or name)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    canonical = export_dtype(dtype)  # float32 | bfloat16
     out_dir = Path(out_dir)
     check_out_dir(out_dir, ckpt_dir, overwrite)
     ckpt = load_source(ckpt_dir)
@@ -89,31 +86,22 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
         k, rest = re.fullmatch(r"heads\.(\d+)\.(.+)", key).groups()
         block = re.fullmatch(r"blocks\.(\d+)\.(linear\.(?:weight|bias))", rest)
         medusa_key = f"{k}.{block[1]}.{block[2]}" if block else f"{k}.{config.num_layers}.weight"
-        tensors[medusa_key] = value.detach().to("cpu", DTYPES[dtype]).contiguous().clone()
+        tensors[medusa_key] = value.detach().to("cpu", DTYPES[canonical]).contiguous().clone()
     files = {
         "medusa_num_heads": config.num_heads,
         "medusa_num_layers": config.num_layers,
         "base_model_name_or_path": base,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "torch_dtype": canonical,
     }
     if config.share_lm_head:
         files["version"] = "2"  # TGI: MedusaHeadV2, the base model's LM head
     tree = (ckpt.extra.get("tree") or {}).get("paths")
     if tree:
         files["medusa_choices"] = tree  # the calibrated tree (Medusa's name for a tree's rank paths)
-
-    def write(payload: Path) -> MedusaCheckReport:
-        payload.mkdir()
-        save_file(tensors, payload / WEIGHTS_FILE, metadata={"format": "pt"})
-        (payload / CONFIG_FILE).write_text(json.dumps(files, indent=2) + "\n")
-        return check_medusa_export(payload, target=expected, reference=ckpt)
-
-    report = write_staged(out_dir, ckpt_dir, "medusa", write, overwrite)
-    report.path = out_dir
-    return ExportResult(path=out_dir, fmt="medusa", dtype=dtype, config=files, check=report,
-                        files=exported_files(out_dir))
+    return export_files(out_dir, ckpt_dir, "medusa", dtype, files, tensors, WEIGHTS_FILE,
+                        lambda payload: check_medusa_export(payload, target=expected, reference=ckpt), overwrite)
 
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
@@ -124,13 +112,7 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
         raise ExportError(f"refusing to export {ckpt.path} to the medusa format: it is a {ckpt.family!r} "
                           f"checkpoint ({why}); use --format native" +
                           ("" if ckpt.family == "blockwise" else " or the family's own formats"))
-    if target is not None:
-        try:
-            check_target(ckpt, target)
-        except CheckpointError as err:
-            raise ExportError(str(err)) from None
-    expected = target_info(target) if target is not None else dict(ckpt.target)
-
+    expected = export_target(ckpt, target)
     try:
         config = load_drafter(ckpt, families=("medusa",)).config
     except CheckpointError as err:
@@ -158,7 +140,7 @@ def read_medusa_export(path, *, target: dict | None = None) -> tuple[MedusaConfi
     path = Path(path)
     config = _read_config(path / CONFIG_FILE)
     where = str(path / WEIGHTS_FILE)
-    tensors = _read_tensors(path / WEIGHTS_FILE)
+    tensors = read_tensors(path / WEIGHTS_FILE, MedusaExportError, ": not a Medusa export")
     check_finite(tensors, where)
     K, n = config["medusa_num_heads"], config["medusa_num_layers"]
     blocks, heads, unknown = {}, {}, []
@@ -251,14 +233,7 @@ def _heads(config: MedusaConfig, state: dict, where) -> MedusaHeads:
 
 
 def _read_config(file: Path) -> dict:
-    if not file.is_file():
-        raise MedusaExportError(f"{file} is missing: not a Medusa export")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise MedusaExportError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise MedusaExportError(f"{file}: want a JSON object")
+    config = read_json(file, MedusaExportError, ": not a Medusa export")
     fields = {"medusa_num_heads": (int, 1), "medusa_num_layers": (int, 0), "base_model_name_or_path": (str, None)}
     for key, (kind, low) in fields.items():
         value = config.get(key)
@@ -269,15 +244,6 @@ def _read_config(file: Path) -> dict:
         if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1):
             raise MedusaExportError(f"{file}: field {key!r} = {config[key]!r} should be an int >= 1")
     return config
-
-
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise MedusaExportError(f"{file} is missing: not a Medusa export")
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError) as err:
-        raise MedusaExportError(f"{file}: not a readable safetensors file ({err})") from None
 
 
 def _check_target(d, V, target: dict, path: Path) -> tuple[int, int]:

@@ -3,7 +3,6 @@ prepares, the target inputs of a batch (online, or from offline features), the h
 The loop, logging and checkpointing are train/eagle.py's and drafters.training.loop's, shared with EAGLE-3.
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -12,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from drafters.acceptance import chain_tau
+from drafters.dtypes import DtypeName
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import shift_left, ttt_label_mask
 from drafters.losses import soft_cross_entropy
@@ -29,7 +30,7 @@ class Eagle1Options:
 @dataclass
 class Features:  # offline target features (drafters.training.features; written by train/features.py)
     dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # storage dtype (train/features.py)
+    dtype: DtypeName = "bfloat16"  # storage dtype (train/features.py)
     shard_rows: int = 512  # examples per safetensors shard (train/features.py)
 
 
@@ -162,11 +163,6 @@ def eagle1_inputs_fn(recipe, target, drafter: Eagle1Drafter) -> Callable[[dict],
         return features.to(dtype), out.logits
 
     return offline if recipe.features.dir else online
-
-
-def chain_tau(accuracy: list[float]) -> float:
-    # tau_pred = 1 + sum_{k=1..K} prod_{j<=k} acc_j (train/eagle.py `evaluate`, EAGLE-3's formula)
-    return 1 + sum(math.prod(accuracy[:k + 1]) for k in range(len(accuracy)))
 
 
 @torch.no_grad()

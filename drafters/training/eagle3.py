@@ -4,7 +4,6 @@ forward per batch; offline: drafters.training.features), and its held-out evalua
 pieces are in drafters.training.eagle1, DFlash's (drafter: dflash, same inputs) in drafters.training.dflash.
 """
 
-import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -12,6 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from drafters.acceptance import chain_tau
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle1 import FrozenHead
 from drafters.eagle3 import (
@@ -201,10 +201,9 @@ def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], 
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])
         loss += out.loss
     accuracy = (correct / supervised.clamp(min=1)).tolist()
-    tau_pred = 1 + sum(math.prod(accuracy[:k + 1]) for k in range(steps))
     return {"loss": (loss / len(batches)).item(), "step_acc": accuracy,
             "step_acc_in_vocab": (correct / counted.clamp(min=1)).tolist(),
-            "supervised": int(supervised[0]), "tau_pred": tau_pred}
+            "supervised": int(supervised[0]), "tau_pred": chain_tau(accuracy)}
 
 
 def format_eval(result: dict) -> str:

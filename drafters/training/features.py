@@ -46,6 +46,7 @@ from tqdm import tqdm
 from drafters.checkpoint import target_info
 from drafters.training.data import Example, collate
 from drafters.eagle3 import fuse_features
+from drafters.dtypes import DTYPES
 from drafters.files import atomic_path, data_sha256, write_text_atomic
 from drafters.training.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
@@ -53,7 +54,6 @@ from drafters.training.loop import LengthBuckets, num_tokens
 
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; eval_* / seed only split them
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")

@@ -37,6 +37,7 @@ from drafters.checkpoint import (
     target_info,
 )
 from drafters.training.data import Example, build_examples, collate
+from drafters.dtypes import DtypeName
 from drafters.files import data_sha256
 from drafters.training.recipe import RecipeError, build, read_recipe, to_dict
 from drafters.targets import Target, resolve_precision
@@ -101,7 +102,7 @@ class TrainRecipe:
     seed: int = 0
     # auto = bf16 where the hardware computes it (GPUs, CPUs with avx512_bf16 / AMX), else float32 / no:
     # emulated bf16 (e.g. an AVX2 CPU) is ~50x slower than float32 (drafters.targets.resolve_precision)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # the target's weights
+    dtype: Literal["auto", DtypeName] = "float32"  # the target's weights (drafters.dtypes)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
     threads: int = 0  # torch CPU threads; 0 = torch's default
     log_every: int = 10  # optimizer steps between metrics flushes (host syncs)

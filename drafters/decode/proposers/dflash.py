@@ -27,19 +27,8 @@ from drafters.checkpoint import check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import (
-    ChainSpec,
-    DynamicSpec,
-    Frontier,
-    Tree,
-    TreeSpec,
-    build_dynamic_tree,
-    build_static_tree,
-    chain_shape,
-    parse_tree_spec,
-    sibling_order,
-    with_draft_probs,
-)
+from drafters.decode.tree import (ChainSpec, DynamicSpec, Frontier, Tree, TreeSpec, build_tree, parse_tree_spec,
+                                  ranked_draws)
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.eagle3 import fuse_features
 from drafters.registry import build_drafter, check_fits, drafter_config
@@ -98,16 +87,9 @@ class DFlashProposer:
         pending_ids = torch.tensor([pending], device=self.drafter.head.device)
         _, logits = self.drafter.draft(pending_ids, self.embed, self.cache)
         slots = logits[0]  # (B-1, Vd): row d-1 = q_d, the distribution of a depth-d node
-        if isinstance(self.tree, DynamicSpec):  # top-k drafts at every temperature (module docstring)
-            t = self.tree
-            return build_dynamic_tree(pending, self._expander(slots, sampling, draws=0)[0], depth=t.depth,
-                                      topk=t.topk, total=t.total)
-        shape = chain_shape(depth) if self.depth is not None else self.tree.shape
-        if sampling.greedy:
-            return build_static_tree(shape, pending, self._expander(slots, sampling, draws=0)[0])
-        shape = sibling_order(shape)  # child rank r = its parent's draw r
-        expand, probs = self._expander(slots, sampling, draws=1 + max(shape.ranks))
-        return with_draft_probs(build_static_tree(shape, pending, expand), probs)
+        # top-k drafts for dynamic trees at every temperature (module docstring)
+        return build_tree(self.tree, pending, lambda _, draws: self._expander(slots, sampling, draws),
+                          sampled=not sampling.greedy, chain_depth=depth)
 
     def _expander(self, slots: Tensor, sampling: SamplingConfig, draws: int):
         # -> (expand, probs). expand(Frontier at depth d) -> (F, V) scores over target ids, every node's
@@ -121,12 +103,11 @@ class DFlashProposer:
                 return self._to_target(row.float().log_softmax(-1), float("-inf"))
             q = self._to_target(warp(row, sampling), 0.0)  # (F, V) float32, identical rows
             probs.update(zip(frontier.nodes.tolist(), q))
-            return self._draws(q, draws)  # independent draws per node
+            return ranked_draws(q, draws, self.generator)  # independent draws per node
 
         return expand, probs
 
     _to_target = EagleProposer._to_target  # (F, Vd) -> (F, V) through d2t, `fill` elsewhere
-    _draws = EagleProposer._draws  # k draws without replacement per row, as scores in draw order
 
 
 # ---------------------------------------------------------------- loading

@@ -21,16 +21,7 @@ from transformers import DynamicCache
 
 from drafters.decode.proposers import PROPOSERS, TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
-from drafters.decode.tree import (
-    ChainSpec,
-    DynamicSpec,
-    Frontier,
-    StaticSpec,
-    Tree,
-    TreeSpec,
-    build_dynamic_tree,
-    build_static_tree,
-)
+from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask
 
 
 def check_same_vocabulary(draft_model, draft_tokenizer, target_vocab_size: int, target_tokenizer) -> None:
@@ -141,36 +132,19 @@ class DraftModelProposer:
         def expand(frontier: Frontier) -> Tensor:
             if frontier.depth == 0:
                 return root_logits.float().log_softmax(-1)[None]  # (1, V)
-            nodes = frontier.nodes.tolist()
-            mask = self._tree_mask(nodes, frontier.depth, frontier.pool_parents.tolist(), column,
-                                   prefix)
-            start = self.cache.get_seq_length()
-            for i, node in enumerate(nodes):
-                column[node] = start + i
+            mask = self._tree_mask(frontier, column, prefix)
             position = prefix - 1 + frontier.depth
             logits = self._forward_tree(frontier.tokens, position, mask)  # (F, V)
             return logits.float().log_softmax(-1)
 
-        if isinstance(self.tree, DynamicSpec):
-            t = self.tree
-            return build_dynamic_tree(root, expand, depth=t.depth, topk=t.topk, total=t.total)
-        if isinstance(self.tree, StaticSpec):
-            return build_static_tree(self.tree.shape, root, expand)
-        raise TypeError(f"draft model: unsupported tree spec {self.tree!r}")
+        # deterministic top-k drafts at any temperature (module docstring); chains are drafted by _chain
+        return build_tree(self.tree, root, lambda depth, draws: (expand, {}), sampled=False)
 
-    def _tree_mask(self, nodes: list[int], depth: int, pool_parents: list[int],
-                   column: dict[int, int], prefix: int):
+    def _tree_mask(self, frontier: Frontier, column: dict[int, int], prefix: int):
         # -> (1, 1, F, C+F) bool: the whole prefix (committed + root) plus each node's expanded
         # ancestors and itself. Tree columns after the prefix hold earlier frontier nodes.
-        start = self.cache.get_seq_length()
-        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
-        mask[:, :prefix] = True
-        for i, node in enumerate(nodes):
-            mask[i, start + i] = True
-            ancestor = pool_parents[node]
-            while ancestor > 0:  # the root (0) is inside the prefix
-                mask[i, column[ancestor]] = True
-                ancestor = pool_parents[ancestor]
+        depth = frontier.depth
+        mask = frontier_mask(frontier, column, prefix, self.cache.get_seq_length())  # sets column[node]
         mask = mask[None, None].to(self.model.device)
         if self.sliding_window is None:
             return mask

@@ -30,20 +30,9 @@ from drafters.registry import build_drafter, check_fits, drafter_config
 from drafters.eagle3 import Eagle3Config, fuse_features
 from drafters.layers import DraftKVCache
 from drafters.decode.proposers import TargetNeeds
-from drafters.decode.sampling import SamplingConfig, sample_without_replacement, warp
-from drafters.decode.tree import (
-    ChainSpec,
-    DynamicSpec,
-    Frontier,
-    Tree,
-    TreeSpec,
-    build_dynamic_tree,
-    build_static_tree,
-    chain_shape,
-    parse_tree_spec,
-    sibling_order,
-    with_draft_probs,
-)
+from drafters.decode.sampling import SamplingConfig, warp
+from drafters.decode.tree import (ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask, parse_tree_spec,
+                                  ranked_draws)
 
 
 def eagle3_inputs(drafter):
@@ -103,17 +92,9 @@ class EagleProposer:
                                f"holds {self.length + 1}; call reset() after the prefill and update() every round")
         hidden, logits = self.draft_root(pending)
         root = hidden[0], logits[0]  # (1, h), (1, Vd)
-        if isinstance(self.tree, DynamicSpec):  # top-k drafts at every temperature (module docstring)
-            expand, _ = self._expander(*root, sampling, draws=0)
-            t = self.tree
-            return build_dynamic_tree(pending, expand, depth=t.depth, topk=t.topk, total=t.total)
-        shape = chain_shape(self.depth) if self.depth is not None else self.tree.shape
-        if sampling.greedy:
-            expand, _ = self._expander(*root, sampling, draws=0)
-            return build_static_tree(shape, pending, expand)
-        shape = sibling_order(shape)  # child rank r = its parent's draw r
-        expand, probs = self._expander(*root, sampling, draws=1 + max(shape.ranks))
-        return with_draft_probs(build_static_tree(shape, pending, expand), probs)
+        # top-k drafts for dynamic trees at every temperature (module docstring)
+        return build_tree(self.tree, pending, lambda depth, draws: self._expander(*root, sampling, draws),
+                          sampled=not sampling.greedy, chain_depth=self.depth)
 
     def _expander(self, root_hidden: Tensor, root_logits: Tensor, sampling: SamplingConfig, draws: int):
         # -> (expand, probs). expand(Frontier) -> (F, V) scores over target ids: draft log-probs
@@ -127,7 +108,7 @@ class EagleProposer:
                 return self._to_target(logits.float().log_softmax(-1), float("-inf"))
             q = self._to_target(warp(logits, sampling), 0.0)  # (F, V) float32
             probs.update(zip(frontier.nodes.tolist(), q))
-            return self._draws(q, draws)
+            return ranked_draws(q, draws, self.generator)
 
         return expand, probs
 
@@ -135,15 +116,8 @@ class EagleProposer:
         # one drafter step over the frontier (F nodes at depth d): hidden input = parent's output,
         # RoPE position = root + d, keys = committed slots + root pair + ancestors-or-self
         nodes, parents = frontier.nodes.tolist(), frontier.pool_parents.tolist()
-        start, device = len(self.cache), self.last.device
-        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (F, S + F)
-        mask[:, : self.length + 1] = True
-        for i, node in enumerate(nodes):
-            slots[node] = start + i
-            ancestor = node
-            while ancestor > 0:  # the root's slot is in the prefix
-                mask[i, slots[ancestor]] = True
-                ancestor = parents[ancestor]
+        device = self.last.device
+        mask = frontier_mask(frontier, slots, self.length + 1, len(self.cache))  # (F, S + F); sets slots
         inputs = torch.stack([hidden[parents[node]] for node in nodes])[None]  # (1, F, h)
         positions = torch.full((1, len(nodes)), self.length + frontier.depth, device=device)
         out, logits = self.drafter.step(inputs, frontier.tokens[None].to(device), self.embed, self.cache,
@@ -156,14 +130,6 @@ class EagleProposer:
         out = x.new_full((x.shape[0], self.drafter.config.vocab_size), fill)
         out[:, self.used] = x
         return out
-
-    def _draws(self, q: Tensor, k: int) -> Tensor:
-        # q (F, V) -> scores (F, V) whose top-k are k draws without replacement per row, in draw order
-        scores = torch.full_like(q, float("-inf"))
-        for row in range(q.shape[0]):
-            drawn = sample_without_replacement(q[row], k, self.generator)  # (<= k,): fewer if q's support is smaller
-            scores[row, drawn] = -torch.arange(drawn.numel(), dtype=q.dtype, device=q.device)
-        return scores
 
 
 # ---------------------------------------------------------------- loading a native checkpoint

@@ -27,22 +27,9 @@ from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_
 from drafters.medusa import MedusaHeads
 from drafters.registry import check_fits, load_drafter
 from drafters.decode.proposers import TargetNeeds
-from drafters.decode.sampling import SamplingConfig, sample_without_replacement, warp
-from drafters.decode.tree import (
-    ChainSpec,
-    DynamicSpec,
-    Frontier,
-    StaticSpec,
-    Tree,
-    TreeShape,
-    TreeSpec,
-    build_dynamic_tree,
-    build_static_tree,
-    chain_shape,
-    parse_tree_spec,
-    sibling_order,
-    with_draft_probs,
-)
+from drafters.decode.sampling import SamplingConfig, warp
+from drafters.decode.tree import (ChainSpec, Frontier, StaticSpec, Tree, TreeShape, TreeSpec, build_tree,
+                                  parse_tree_spec, ranked_draws)
 
 HEADS_FAMILIES = ("medusa", "blockwise")  # drafters.registry names of the multi-head families
 TREE_FILE = "tree.json"  # the calibrated rank paths a training run writes into each evaluated checkpoint
@@ -55,11 +42,9 @@ class HeadsProposer:
         # drafter: MedusaHeads | BlockwiseHeads; lm_head (V, d) the frozen target LM head weight
         self.drafter, self.lm_head, self.tree = drafter, lm_head, tree
         self.num_heads = drafter.config.num_heads
-        deepest = (tree.length if isinstance(tree, ChainSpec) else tree.depth if isinstance(tree, DynamicSpec)
-                   else tree.shape.max_depth)
-        if deepest > self.num_heads:
-            raise ValueError(f"tree of depth {deepest} for a drafter with {self.num_heads} heads: depth d is drafted "
-                             f"by head d-1, so use a tree of depth <= {self.num_heads}")
+        if tree.depth > self.num_heads:
+            raise ValueError(f"tree of depth {tree.depth} for a drafter with {self.num_heads} heads: depth d is "
+                             f"drafted by head d-1, so use a tree of depth <= {self.num_heads}")
         self.depth = tree.length if isinstance(tree, ChainSpec) else None  # AdaptiveChain sets it
         self.generator = torch.Generator(lm_head.device).manual_seed(seed)  # sampled drafts only
         self.last = None  # (d,) x_t at the last committed position
@@ -83,30 +68,25 @@ class HeadsProposer:
         if self.last is None:
             raise RuntimeError("HeadsProposer: no target hidden state yet; call reset() after the prefill and "
                                "update() every round")
-        if isinstance(self.tree, DynamicSpec):  # top-k drafts at every temperature (module docstring)
-            t = self.tree
-            logp = self.head_logits(t.depth).float().log_softmax(-1)  # (depth, V)
-            return build_dynamic_tree(pending, lambda f: logp[f.depth].expand(len(f.nodes), -1),
-                                      depth=t.depth, topk=t.topk, total=t.total)
-        shape = chain_shape(min(self.depth, self.num_heads)) if self.depth is not None else self.tree.shape
-        logits = self.head_logits(shape.max_depth)  # (D, V)
-        if sampling.greedy:
+        # top-k drafts for dynamic trees at every temperature (module docstring)
+        chain_depth = None if self.depth is None else min(self.depth, self.num_heads)
+        return build_tree(self.tree, pending, lambda depth, draws: self._expander(depth, draws, sampling),
+                          sampled=not sampling.greedy, chain_depth=chain_depth)
+
+    def _expander(self, depth: int, draws: int, sampling: SamplingConfig):
+        # -> (expand, probs) for build_tree: a node at depth d+1 is head d's candidate, whatever its parent
+        logits = self.head_logits(depth)  # (depth, V)
+        if not draws:
             logp = logits.float().log_softmax(-1)
-            return build_static_tree(shape, pending, lambda f: logp[f.depth].expand(len(f.nodes), -1))
-        shape = sibling_order(shape)  # child rank r = its parent's draw r
-        q = warp(logits, sampling)  # (D, V) float32
-        draws, probs = 1 + max(shape.ranks), {}
+            return lambda f: logp[f.depth].expand(len(f.nodes), -1), {}
+        q, probs = warp(logits, sampling), {}  # (depth, V) float32
 
         def expand(frontier: Frontier) -> Tensor:
             # every frontier node draws its own children from q[depth], in draw order
             probs.update((node, q[frontier.depth]) for node in frontier.nodes.tolist())
-            scores = torch.full((len(frontier.nodes), q.shape[-1]), float("-inf"), device=q.device)
-            for row in range(len(frontier.nodes)):
-                drawn = sample_without_replacement(q[frontier.depth], draws, self.generator)  # (<= draws,)
-                scores[row, drawn] = -torch.arange(drawn.numel(), dtype=q.dtype, device=q.device)
-            return scores
+            return ranked_draws(q[frontier.depth].expand(len(frontier.nodes), -1), draws, self.generator)
 
-        return with_draft_probs(build_static_tree(shape, pending, expand), probs)
+        return expand, probs
 
 
 # ---------------------------------------------------------------- loading a native checkpoint
