@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from drafters.acceptance import geometric_chain_tau
 from drafters.files import write_text_atomic
+from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.decode.decoder import RoundStats, speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
@@ -65,7 +66,8 @@ def parse_args(argv):
                         "directory without layer ids drafts from, instead of the engine's default) | "
                         "DIR+prompt-lookup (the drafter's tree plus lookup continuations, greedy)")
     p.add_argument("--bench", required=True, help="mt_bench | humaneval | path to a JSONL file")
-    p.add_argument("--tree", default="chain:4", help="chain:K | static:... | dynamic:total=,depth=,topk=")
+    p.add_argument("--tree", default="chain:4",
+                   help="chain:K | static:... | dynamic:total=,depth=,topk= | auto (fastest on this machine)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -84,6 +86,7 @@ def parse_args(argv):
                    help="temperature 0 only: skip generate (tau sweeps); no speed or greedy check")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="combine the --json reports of the shards of one run (needs only --json)")
+    autotree.add_arguments(p)
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--merge" in argv:  # the evaluation's required options do not apply
         for action in p._actions:
@@ -149,6 +152,10 @@ def main(argv=None) -> dict:
         device_used = str(device(args.device))
         target.model.to(device_used)
         sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
+        if tree is None:  # --tree auto
+            tree, auto = pick_tree(args, target, items, sampling)
+            if tree is None:
+                return auto
         proposer = load_proposer(args.proposer, target, tree)
         # how a drafter's files were read where they leave something out (e.g. another tool's EAGLE-3
         # directory without layer ids: the engine's default layers): said here, recorded in the JSON
@@ -175,7 +182,8 @@ def main(argv=None) -> dict:
     if not run.prompts:
         raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
                          "lower --max-new-tokens or use shorter prompts")
-    report = report_and_write(run, settings, tree.budget, torch.get_num_threads(), args.json)
+    extra = {"tree_auto": args.tree_auto} if args.tree_auto else None
+    report = report_and_write(run, settings, tree.budget, torch.get_num_threads(), args.json, extra)
     if run.mismatches:
         raise SystemExit(f"tau: {len(run.mismatches)} greedy outputs differ from generate (a bug): "
                          f"{run.mismatches}")
@@ -189,13 +197,14 @@ def check_inputs(args):
         raise SystemExit(f"tau: --max-turns must be >= 1, got {args.max_turns}")
     if args.max_new_tokens < 1:
         raise SystemExit(f"tau: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    args.tree_auto = None
     try:
-        tree = parse_tree_spec(args.tree)
+        tree = None if args.tree == "auto" else parse_tree_spec(args.tree)
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed)
         items = list(enumerate(load_bench(args.bench, limit=args.limit)))  # (bench index, item)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"tau: {error}") from None
-    if args.adaptive and not isinstance(tree, ChainSpec):
+    if args.adaptive and not isinstance(tree, ChainSpec):  # (auto included: it picks the tree)
         raise SystemExit(f"tau: --adaptive needs a chain tree spec (chain:K), got {args.tree!r}")
     if args.no_baseline and args.temperature > 0:
         raise SystemExit("tau: --no-baseline needs --temperature 0 (sampled turn-2 prompts would differ)")
@@ -205,6 +214,29 @@ def check_inputs(args):
             raise SystemExit(f"tau: --shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/4")
         items = items[int(index)::int(count)]  # items keep their bench index, so their seeds too
     return tree, sampling, items
+
+
+def pick_tree(args, target, items, sampling):
+    # --tree auto: -> (the chosen TreeSpec, None), or (None, the report) when plain generate is
+    # predicted fastest and --speculate-anyway was not given
+    result = autotree.choose_tree(
+        target, args.proposer, lambda spec: load_proposer(args.proposer, target, spec), items, sampling,
+        args.max_new_tokens, prompts=args.auto_prompts, acceptance=args.auto_acceptance,
+        probe_tokens=args.auto_probe_tokens, candidates=args.auto_candidates, log=lambda line: print(line, file=sys.stderr))
+    print(autotree.format_table(result))
+    args.tree_auto = result.as_dict()
+    chosen = result.best if result.best.spec != autotree.NO_SPECULATION else result.best_tree
+    if result.best.spec == autotree.NO_SPECULATION and not args.speculate_anyway or chosen is None:
+        print("tree auto: not measuring speculative decoding (plain generate is the answer here); "
+              "--speculate-anyway measures the best tree anyway")
+        report = {"target": target.name, "proposer": args.proposer, "bench": args.bench, "tree": "auto",
+                  "speculated": False, "tree_auto": args.tree_auto}
+        if args.json:
+            write_json_atomic(Path(args.json), report)
+        return None, report
+    args.tree_auto["measured"] = chosen.spec
+    args.tree = chosen.spec
+    return parse_tree_spec(chosen.spec), None
 
 
 def device(name: str) -> torch.device:
@@ -368,9 +400,11 @@ def summarize(run: Run, settings: Settings, budget: int, threads: int) -> dict:
     }
 
 
-def report_and_write(run: Run, settings: Settings, budget: int, threads: int, out: str | None) -> dict:
-    # the report of a run or of merged shards: printed, and written atomically to `out` when given
-    report = summarize(run, settings, budget, threads)
+def report_and_write(run: Run, settings: Settings, budget: int, threads: int, out: str | None,
+                     extra: dict | None = None) -> dict:
+    # the report of a run or of merged shards: printed, and written atomically to `out` when given;
+    # extra: more top-level keys (tree_auto: how --tree auto chose)
+    report = summarize(run, settings, budget, threads) | (extra or {})
     print_report(report)
     if out:
         write_json_atomic(Path(out), report)
