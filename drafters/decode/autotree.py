@@ -283,11 +283,16 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
                 probe_tokens: int = 32, candidates=CANDIDATES, calibration_tree: str = CALIBRATION_TREE,
                 warmup: int = 2, repeats: int = 5, log=print) -> AutoResult:
     """make_proposer(TreeSpec) -> a fresh proposer for that tree; items: bench items (turn 1 is used)."""
+    rates = checkpoint_rates(proposer_spec) if acceptance == "checkpoint" else None
+    if acceptance == "checkpoint" and rates is None:
+        raise ValueError(f"--auto-acceptance checkpoint: {proposer_spec} records no held-out per-step accuracy "
+                         "(drafter.json extra.eval.step_acc); use --auto-acceptance calibration")
     calibration = _prompts(target, items, prompts, max_new_tokens)
     if not calibration:
         raise ValueError("--tree auto: no bench prompt fits the target's context for calibration")
     counts, eos = RankCounts(), target.eos_token_ids
-    depths = [parse_tree_spec(c).depth for c in candidates]  # fails early on a bad candidate
+    for spec in candidates:
+        parse_tree_spec(spec)  # a bad candidate fails before anything is decoded
 
     def decode(spec: str, prompt, new_tokens: int):
         recorder = Recorder(make_proposer(parse_tree_spec(spec)), counts)
@@ -309,7 +314,7 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
         cal_depths += stats.tree_depths
 
     probes, skipped = [], {}
-    for spec, depth in zip(candidates, depths):
+    for spec in candidates:
         try:
             recorder, _, stats = decode(spec, calibration[0], probe_tokens)
         except ValueError as error:  # e.g. a tree deeper than a Medusa drafter's heads
@@ -332,10 +337,6 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
     generate_ms = time_generate(target, calibration[0], warmup, max(repeats // 2, 2))
 
     if acceptance == "checkpoint":
-        rates = checkpoint_rates(proposer_spec)
-        if rates is None:
-            raise ValueError(f"--auto-acceptance checkpoint: {proposer_spec} records no held-out per-step "
-                             "accuracy (drafter.json extra.eval.step_acc); use --auto-acceptance calibration")
         source = f"checkpoint {proposer_spec}: held-out per-step top-1 accuracy (top-1 chains only)"
     else:
         rates = counts.rates()

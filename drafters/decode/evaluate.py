@@ -200,6 +200,8 @@ def check_inputs(args):
     args.tree_auto = None
     try:
         tree = None if args.tree == "auto" else parse_tree_spec(args.tree)
+        for spec in args.auto_candidates if tree is None else []:
+            parse_tree_spec(spec)  # --tree auto: a bad candidate fails before any model is loaded
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed)
         items = list(enumerate(load_bench(args.bench, limit=args.limit)))  # (bench index, item)
     except (ValueError, FileNotFoundError) as error:
