@@ -17,10 +17,11 @@ proposer, at the prompt lengths in use:
      (CALIBRATION_TREE), pooled with the probe rounds of every candidate. From each round's tree and
      the committed tokens: for every depth d the true path reached, the rank r of the true child
      among its parent's children (children are in the proposer's rank order) or a miss. Then
-         p(d, r) = #(true child at depth d had rank r) / #(rounds whose true node at depth d-1
-                   had more than r children)
+         p(d, r) = #(true child at depth d had rank r) / (#(rounds whose true node at depth d-1
+                   had more than r children) + 1)
      i.e. P(the proposer's rank-r candidate at depth d is the target's token | the path to d-1 was
-     accepted). Pruned siblings count as misses, so wide ranks are under- not over-estimated.
+     accepted). Pruned siblings count as misses, so wide ranks are under- not over-estimated; the
+     +1 (one pseudo-miss) keeps a depth or rank seen in a handful of rounds from counting as certain.
    - "checkpoint": an EAGLE-3 / EAGLE-1 checkpoint's held-out per-TTT-step top-1 accuracy
      (drafter.json extra.eval.step_acc): p(d, 0) = step_acc[d-1], p(d, r > 0) = 0, i.e. every tree
      is credited only for the top-1 chain it contains (conservative for trees).
@@ -105,7 +106,9 @@ class RankCounts:
             hits[rank] += 1
 
     def rates(self) -> list[list[float]]:
-        return clip_rates([[h / n if n else 0.0 for h, n in zip(hits, exposed)]
+        # one pseudo-miss per (depth, rank): a rank seen once and accepted once is 0.5, not 1.0 (deep
+        # depths and wide ranks are seen in few rounds); costs 1 / (n + 1) of a rate seen n times
+        return clip_rates([[h / (n + 1) for h, n in zip(hits, exposed)]
                            for hits, exposed in zip(self.hits, self.exposed)])
 
 
