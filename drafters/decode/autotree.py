@@ -4,7 +4,7 @@ tau alone favours the biggest tree; what a user wants is tokens/s, and on a CPU 
 verification or a drafter step can cost more than the tokens it saves. So, on the loaded target and
 proposer, at the prompt lengths in use:
 
-1. Costs (median of repeats after warm-up runs):
+1. Costs (median of repeats after warm-up runs, the sizes timed in turn so that load hits all):
    - verify(n): one target forward over a tree of n nodes (root included) on a cache holding a
      calibration prompt plus half its answer, for n in VERIFY_GRID; linear in between and beyond;
    - per candidate tree: its draft time per round (proposer.propose + proposer.update, what
@@ -14,7 +14,7 @@ proposer, at the prompt lengths in use:
    - plain `generate`: ms per new token, (t(1 + m tokens) - t(1 token)) / m.
 2. Acceptance by depth and rank, one of (`source`, stated in the output):
    - "calibration" (default): the first `prompts` bench prompts (turn 1) decoded with a wide tree
-     (CALIBRATION_TREE), pooled with the probe rounds of every candidate. From each round's tree and
+     (CALIBRATION_TREE, at most CALIBRATION_TOKENS new tokens each), pooled with the probe rounds of every candidate. From each round's tree and
      the committed tokens: for every depth d the true path reached, the rank r of the true child
      among its parent's children (children are in the proposer's rank order) or a miss. Then
          p(d, r) = #(true child at depth d had rank r) / (#(rounds whose true node at depth d-1
@@ -62,6 +62,7 @@ CANDIDATES = ("chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
               "dynamic:total=20,depth=5,topk=4", "dynamic:total=40,depth=6,topk=6",
               "dynamic:total=60,depth=6,topk=10")
 CALIBRATION_TREE = "dynamic:total=60,depth=6,topk=10"  # covers every candidate's depth and topk
+CALIBRATION_TOKENS = 128  # new tokens per calibration prompt, at most
 VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64)
 NO_SPECULATION = "none"
 
@@ -297,8 +298,11 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
     for spec in candidates:
         parse_tree_spec(spec)  # a bad candidate fails before anything is decoded
 
+    needs = []
+
     def decode(spec: str, prompt, new_tokens: int):
         recorder = Recorder(make_proposer(parse_tree_spec(spec)), counts)
+        needs.append(recorder.needs)
         if recorder.greedy_only and not sampling.greedy:
             raise ValueError("this proposer verifies greedily only; use --temperature 0")
         generator = torch.Generator(target.device).manual_seed(sampling.seed or 0)
@@ -310,7 +314,7 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
     decode(candidates[0], calibration[0], 4)  # warm-up: first calls pay for allocation
     answers, cal_rounds, cal_accepted, cal_depths = [], 0, [], []
     for prompt in calibration:
-        _, out, stats = decode(calibration_tree, prompt, max_new_tokens)
+        _, out, stats = decode(calibration_tree, prompt, min(max_new_tokens, CALIBRATION_TOKENS))
         answers.append(out)
         cal_rounds += stats.num_rounds
         cal_accepted += stats.accepted
@@ -332,7 +336,7 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
             f"{stats.num_rounds} probe rounds")
 
     context = answers[0][: calibration[0].numel() + max_new_tokens // 2]
-    needs_hidden = make_proposer(parse_tree_spec("chain:1")).needs.any
+    needs_hidden = needs[0].any  # the verification forward returns hidden states when the proposer reads them
     largest = max([max(len(s) for s in p.shapes) for p in probes] + [VERIFY_GRID[-1]])
     grid = [n for n in VERIFY_GRID if n < largest] + [largest]
     grid = [n for n in grid if context.numel() + n <= target.max_position_embeddings] or [1]
@@ -376,19 +380,18 @@ def time_verify(model, context: torch.Tensor, grid, hidden_states: bool, warmup:
     device = model.device
     cache = DynamicCache()
     model(input_ids=context[None].to(device), past_key_values=cache, use_cache=True)
-    past, out = cache.get_seq_length(), {}
-    for n in grid:
-        tokens = context[-n:] if n <= context.numel() else context[torch.arange(n) % context.numel()]
-        tree = Tree.chain(tokens.to(device))
-        times = []
-        for _ in range(warmup + repeats):
+    past = cache.get_seq_length()
+    trees = {n: Tree.chain((context[-n:] if n <= context.numel() else context[torch.arange(n) % context.numel()])
+                           .to(device)) for n in grid}
+    times = {n: [] for n in grid}
+    for _ in range(warmup + repeats):  # round-robin over n: a change in machine load hits every n alike
+        for n, tree in trees.items():
             start = _sync(device)
             tree_forward(model, cache, tree, hidden_states=hidden_states)
-            times.append(_sync(device) - start)
+            times[n].append(_sync(device) - start)
             for layer in cache.layers:  # back to `past` (DynamicCache.crop's meaning changed across versions)
                 layer.keys, layer.values = layer.keys[:, :, :past], layer.values[:, :, :past]
-        out[n] = 1e3 * statistics.median(times[warmup:])
-    return out
+    return {n: 1e3 * statistics.median(t[warmup:]) for n, t in times.items()}
 
 
 @torch.no_grad()
@@ -405,8 +408,8 @@ def time_generate(target, prompt: torch.Tensor, warmup: int = 1, repeats: int = 
 
     for _ in range(warmup):
         run(2)
-    one = statistics.median(run(1) for _ in range(repeats))
-    many = statistics.median(run(1 + new_tokens) for _ in range(repeats))
+    pairs = [(run(1), run(1 + new_tokens)) for _ in range(repeats)]  # alternating, as A B A B
+    one, many = (statistics.median(t) for t in zip(*pairs))
     return 1e3 * max(many - one, 1e-9) / new_tokens
 
 

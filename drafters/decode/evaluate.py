@@ -22,6 +22,8 @@ Reported (and written atomically as JSON with --json):
                (chosen over averaging per-depth rates because it reproduces tau exactly; the mean
                per-depth rate is reported too), and c = (draft time per round / k) / (baseline
                time per generated token), the draft cost per token in target forwards
+`--tree auto` first measures this machine's costs and the proposer's acceptance and runs the tree
+with the most predicted tokens/s, or stops when plain generate wins (drafters.decode.autotree).
 A prompt whose tokens + max_new_tokens + tree depth exceed the target's context is a counted
 skip (with the rest of that item's turns), not an error.
 
