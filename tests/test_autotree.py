@@ -211,3 +211,27 @@ def test_checkpoint_acceptance_without_a_record_is_refused(bench, tmp_path):
         tau.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench", str(bench),
                   "--tree", "auto", "--auto-acceptance", "checkpoint", "--json", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_heads_drafter_skips_trees_deeper_than_its_heads(bench, tmp_path, monkeypatch):
+    # a 3-head Medusa drafter cannot draft depth 4: the calibration tree is made shallower and the
+    # deeper candidates are skipped, with the reason in the table
+    from dataclasses import asdict
+
+    from drafters.checkpoint import save_checkpoint, target_info
+    from drafters.medusa import MedusaConfig, MedusaHeads
+    from drafters.targets import load_target
+
+    target = load_target("tiny-random-llama")
+    config = MedusaConfig.from_target_config(target.config, num_heads=3, num_layers=1, share_lm_head=False)
+    save_checkpoint(tmp_path / "medusa", family="medusa", config=asdict(config), target=target_info(target),
+                    state_dict=MedusaHeads(config).state_dict())
+    monkeypatch.setattr(autotree, "time_generate", lambda *a, **k: 1e9)
+    report = tau.main(["--target", "tiny-random-llama", "--proposer", str(tmp_path / "medusa"), "--bench", str(bench),
+                       "--max-new-tokens", "8", "--threads", "1", "--tree", "auto", "--auto-probe-tokens", "6",
+                       "--auto-candidates", "chain:2", "chain:4", "dynamic:total=6,depth=3,topk=2"])
+    auto = report["tree_auto"]
+    assert auto["calibration"]["tree"] == "dynamic:total=60,depth=3,topk=10"
+    assert list(auto["skipped_candidates"]) == ["chain:4"]
+    assert report["tree"] in ("chain:2", "dynamic:total=6,depth=3,topk=2")
+    assert report["greedy_check"]["mismatches"] == 0

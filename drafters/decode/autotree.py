@@ -310,8 +310,9 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
                                           sampling=sampling, eos_token_ids=eos, generator=generator)
         return recorder, out, stats
 
+    decode("chain:1", calibration[0], 4)  # warm-up: first calls pay for allocation
+    calibration_tree = _loadable(calibration_tree, make_proposer)
     log(f"tree auto: calibrating on {len(calibration)} prompt(s) with {calibration_tree}")
-    decode(candidates[0], calibration[0], 4)  # warm-up: first calls pay for allocation
     answers, cal_rounds, cal_accepted, cal_depths = [], 0, [], []
     for prompt in calibration:
         _, out, stats = decode(calibration_tree, prompt, min(max_new_tokens, CALIBRATION_TOKENS))
@@ -354,6 +355,21 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
            "tau": sum(a + 1 for a in cal_accepted) / max(cal_rounds, 1),
            "depth_acceptance": _depth_acceptance(cal_accepted, cal_depths)}
     return AutoResult(rows, source, rates, verify_ms, generate_ms, context.numel(), cal, skipped)
+
+
+def _loadable(spec: str, make_proposer) -> str:
+    # the calibration tree, made shallower until the proposer takes it (Medusa / Blockwise heads
+    # draft at most one depth per head)
+    tree = parse_tree_spec(spec)
+    for depth in range(getattr(tree, "depth", 1), 0, -1):
+        shallower = spec if depth == tree.depth else f"dynamic:total={tree.total},depth={depth},topk={tree.topk}"
+        try:
+            make_proposer(parse_tree_spec(shallower))
+            return shallower
+        except ValueError:
+            if not hasattr(tree, "topk"):
+                raise
+    raise ValueError(f"--tree auto: the proposer takes no calibration tree like {spec}")
 
 
 def _prompts(target, items, count: int, max_new_tokens: int) -> list[torch.Tensor]:
