@@ -8,6 +8,7 @@ Knows nothing about drafters, datasets or tokenizers: it counts ids it is handed
 """
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -124,6 +125,24 @@ def count_tokens(examples: Iterable[tuple], target_vocab_size: int) -> Tensor:
                                   "was the data tokenized with another target's tokenizer?")
         counts += torch.bincount(ids, minlength=target_vocab_size)
     return counts
+
+
+def coverage(counts: Tensor, size: int) -> float:
+    """The fraction of the counted (loss-masked) tokens whose id is among the `size` most frequent:
+    how often the target's next token is one the drafter can propose at all (an upper bound on its
+    first-step acceptance). counts (V,) from count_tokens."""
+    total = int(counts.sum())
+    return int(torch.sort(counts, descending=True).values[:size].sum()) / total if total else 0.0
+
+
+def size_for_coverage(counts: Tensor, fraction: float) -> int:
+    """The smallest N whose N most frequent ids cover at least `fraction` (0 < fraction <= 1) of the
+    counted tokens: N = 1 + #{n : cumsum of sorted counts up to n < ceil(fraction * total)}."""
+    if not 0 < fraction <= 1:
+        raise DraftVocabError(f"coverage {fraction} must be in (0, 1]")
+    need = math.ceil(fraction * int(counts.sum()))
+    running = torch.sort(counts, descending=True).values.cumsum(0)  # (V,)
+    return min(int((running < need).sum()) + 1, counts.numel())
 
 
 def build_draft_vocab(token_counts_or_examples: Tensor | Iterable[tuple], target_vocab_size: int,

@@ -71,3 +71,30 @@ def test_bad_examples_fail_loudly():
         count_tokens([([1, 2], [1, 1]), ([1, 12], [1, 1])], 10)
     with pytest.raises(DraftVocabError, match="example 0: input_ids has 2"):
         count_tokens([([1, 2], [1, 1, 1])], 10)
+
+
+def test_coverage_and_the_size_that_reaches_it():
+    from drafters.draft_vocab import coverage, size_for_coverage
+
+    counts = torch.tensor([0, 50, 0, 30, 10, 5, 5, 0])  # 100 supervised tokens over 5 distinct ids
+    assert [coverage(counts, n) for n in (1, 2, 3, 5, 8)] == [0.5, 0.8, 0.9, 1.0, 1.0]
+    assert [size_for_coverage(counts, f) for f in (0.5, 0.51, 0.8, 0.9, 0.91, 1.0)] == [1, 2, 2, 3, 4, 5]
+    assert coverage(torch.zeros(4, dtype=torch.long), 2) == 0.0
+    with pytest.raises(DraftVocabError, match=r"coverage 0 must be in \(0, 1\]"):
+        size_for_coverage(counts, 0)
+
+
+def test_training_sizes_the_draft_vocab_by_coverage_and_reports_it(tmp_path, capsys):
+    from conftest import load_script
+
+    eagle = load_script("train/eagle.py")
+    summary = eagle.main(["recipes/eagle3_tiny.yaml", "draft_vocab_coverage=0.9", "max_steps=1", "eval_every=0",
+                          "save_every=0", f"output_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    size = summary.drafter.config.draft_vocab_size
+    line = next(line for line in out.splitlines() if "supervised training tokens" in line)
+    assert f"draft vocab {size} of 259 ids covers " in line and "draft_vocab_coverage=0.9" in line
+    covered = float(line.split("covers ")[1].split("%")[0]) / 100
+    assert covered >= 0.9 and 1 <= size < 259
+    with pytest.raises(Exception, match=r"draft_vocab_coverage=1.5 must be in \(0, 1\]"):
+        eagle.main(["recipes/eagle3_tiny.yaml", "draft_vocab_coverage=1.5", f"output_dir={tmp_path / 'x'}"])

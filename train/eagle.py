@@ -31,7 +31,7 @@ processes. Knows nothing about decoding trees or export formats.
 
 from accelerate.utils import set_seed
 
-from drafters.draft_vocab import build_draft_vocab
+from drafters.draft_vocab import build_draft_vocab, count_tokens, coverage, size_for_coverage
 from drafters.training.data import collate
 from drafters.training.dflash import (
     DFlashObjective,
@@ -81,11 +81,18 @@ def main(argv: list[str]) -> Summary:
         store.check(recipe, target)
         say(store.summary())
     if recipe.drafter in ("eagle3", "dflash"):
-        if recipe.draft_vocab_size > target.vocab_size:
-            say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
-                f"({target.vocab_size}): using {target.vocab_size}")
-        vocab = build_draft_vocab([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size,
-                                  min(recipe.draft_vocab_size, target.vocab_size))
+        counts = count_tokens([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size)
+        if recipe.draft_vocab_coverage is not None:
+            size = size_for_coverage(counts, recipe.draft_vocab_coverage)
+        else:
+            size = min(recipe.draft_vocab_size, target.vocab_size)
+            if recipe.draft_vocab_size > target.vocab_size:
+                say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
+                    f"({target.vocab_size}): using {target.vocab_size}")
+        vocab = build_draft_vocab(counts, target.vocab_size, size)
+        say(f"eagle: draft vocab {size} of {target.vocab_size} ids covers {coverage(counts, size):.2%} of the "
+            f"{int(counts.sum())} supervised training tokens ({int((counts > 0).sum())} distinct ids seen)"
+            + (f"; draft_vocab_coverage={recipe.draft_vocab_coverage}" if recipe.draft_vocab_coverage else ""))
     if recipe.drafter == "eagle3":
         set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
         drafter = build_eagle3_drafter(recipe, target, vocab)

@@ -35,6 +35,9 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     drafter: Literal["eagle3", "eagle1", "dflash"] = "eagle3"
     output_dir: str = "outputs/eagle3"
     draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
+    # set (0 < c <= 1): draft_vocab_size = the smallest vocabulary whose ids cover this fraction of the
+    # supervised training tokens (drafters.draft_vocab.size_for_coverage); the coverage is printed either way
+    draft_vocab_coverage: float | None = None
     layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
     ttt_steps: int = 7  # EAGLE-3 only
     step_weight: float = 0.8  # EAGLE-3 only: loss of TTT step i weighs step_weight ** i
@@ -49,6 +52,9 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
                 if getattr(recipe, name) < 1]
     if recipe.step_weight <= 0:
         problems.append(f"step_weight={recipe.step_weight} must be > 0")
+    if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
+        problems.append(f"draft_vocab_coverage={recipe.draft_vocab_coverage} must be in (0, 1] or null "
+                        "(null = draft_vocab_size as given)")
     return problems + check_eagle1(recipe) + check_dflash(recipe)
 
 
