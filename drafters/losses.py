@@ -42,18 +42,25 @@ def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: in
 
 def soft_cross_entropy(draft_logits: Tensor, target_p: Tensor, in_vocab: Tensor,
                        argmax_draft: Tensor, loss_mask: Tensor, *,
-                       num_positions: int | Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       num_positions: int | Tensor | None = None, tv_weight: float = 0.0
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """draft_logits (B, T, Vd); the other inputs from `draft_vocab_targets`; loss_mask (B, T) 0/1.
     Any leading shape works, e.g. (M, Vd) rows gathered at the counted positions only (with an
     all-ones mask): the sums, hence loss, accuracy and gradients, are the same.
-        counted_t = loss_mask_t and in_vocab_t
-        loss = sum_t counted_t * (-sum_d target_p_td log_softmax(draft_logits_t)_d) / num_positions
+        counted_t = loss_mask_t and in_vocab_t,   q_t = softmax(draft_logits_t)
+        row_t = -sum_d target_p_td log q_td  +  tv_weight * 1/2 sum_d |q_td - target_p_td|
+        loss = sum_t counted_t * row_t / num_positions
                (num_positions defaults to count = sum_t counted_t: the mean over counted positions)
         accuracy = mean over counted t of [argmax draft_logits_t == argmax_draft_t]
-    Returns (loss, accuracy, count), 0-dim tensors; loss and accuracy are 0 when count is 0."""
+    The second term is the total variation distance TV(p, q) = 1 - sum_d min(p_d, q_d), one minus the
+    probability that a token drafted from q is accepted when the target samples from p (tv_weight 0:
+    the plain soft cross-entropy). Returns (loss, accuracy, count), 0-dim tensors; loss and accuracy
+    are 0 when count is 0."""
     counted = loss_mask.bool() & in_vocab  # (B, T)
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # (B, T, Vd)
     ce = -(target_p * log_q).sum(-1)  # (B, T)
+    if tv_weight:
+        ce = ce + tv_weight * 0.5 * (log_q.exp() - target_p).abs().sum(-1)
     count = counted.sum()
     denominator = count.clamp(min=1) if num_positions is None else num_positions
     loss = torch.where(counted, ce, 0.0).sum() / denominator
@@ -77,18 +84,20 @@ def soft_cross_entropy_draft_vocab(draft_logits: Tensor, target_logits: Tensor, 
 
 
 class LinearSoftCrossEntropy(torch.autograd.Function):
-    """Soft cross-entropy of the logits z = x W^T, fused with the LM head and differentiated in the forward
-    pass, `chunk` rows at a time, so no (M, Vd) logits, log-probabilities or softmax are kept for backward
-    (seven TTT steps of them are most of EAGLE-3's training memory). Per row m, with q = softmax(z_m) and
-    sum_d p_md = 1 (target_p is a distribution over the draft vocabulary):
-        loss     = scale * sum_m -sum_d p_md log q_md
-        dL/dz_m  = scale * (q_m - p_m)                               (c, Vd) per chunk, then dropped
+    """Soft cross-entropy (plus tv_weight x total variation, as in `soft_cross_entropy`) of the logits
+    z = x W^T, fused with the LM head and differentiated in the forward pass, `chunk` rows at a time, so no
+    (M, Vd) logits, log-probabilities or softmax are kept for backward (seven TTT steps of them are most of
+    EAGLE-3's training memory). Per row m, with q = softmax(z_m), sum_d p_md = 1 (target_p is a
+    distribution over the draft vocabulary), lam = tv_weight and g = 1/2 sign(q_m - p_m):
+        loss     = scale * sum_m [-sum_d p_md log q_md + lam/2 sum_d |q_md - p_md|]
+        dL/dz_m  = scale * (q_m - p_m + lam q_m * (g - <q_m, g>))    (c, Vd) per chunk, then dropped
+                   (softmax Jacobian: d q_d / d z_j = q_d (delta_dj - q_j))
         dL/dx_m  = dL/dz_m W           dL/dW = sum_m dL/dz_m^T x_m    kept: (M, h) and (Vd, h)
     backward scales the kept gradients by the incoming scalar gradient. Matmuls run in x's dtype (bf16
     under autocast), the softmax and the accumulated dL/dW in float32, as the unfused path does."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int):
+    def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int, tv_weight: float):
         w = weight.to(x.dtype)
         train_w = ctx.needs_input_grad[1]  # a frozen head (DFlash: the target's rows) needs no dL/dW
         grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32,
@@ -100,7 +109,13 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
             log_q = torch.log_softmax(z, dim=-1)
             loss += -(target_p[rows] * log_q).sum()
             argmax[rows] = z.argmax(-1)
-            dz = (log_q.exp_() - target_p[rows]).mul_(scale).to(x.dtype)  # (c, Vd) = scale * (q - p)
+            q = log_q.exp_()  # (c, Vd), log_q no longer needed
+            dz = q - target_p[rows]  # (c, Vd)
+            if tv_weight:
+                loss += tv_weight * 0.5 * dz.abs().sum()
+                g = 0.5 * dz.sign()
+                dz += tv_weight * q * (g - (q * g).sum(-1, keepdim=True))
+            dz = dz.mul_(scale).to(x.dtype)
             grad_x[rows] = dz @ w
             if train_w:
                 grad_w += (dz.T @ x[rows]).float()
@@ -113,11 +128,12 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor, _grad_argmax):
         grad_x, grad_w = ctx.saved_tensors
         grad_w = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None
+        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None
 
 
 def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,
-                              num_positions: int | None = None, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+                              num_positions: int | None = None, chunk: int = 256, tv_weight: float = 0.0
+                              ) -> tuple[Tensor, Tensor, Tensor]:
     """`soft_cross_entropy(x @ weight.T, target_p, ...)` over rows that all count, without the logits tensor.
     x (M, h) the normed hidden states, weight (Vd, h) the drafter's LM head, target_p (M, Vd), argmax_draft
     (M,). -> (loss, accuracy, count) as `soft_cross_entropy` returns them (loss = sum / num_positions,
@@ -126,6 +142,6 @@ def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argma
     scale = 1.0 / (num_positions if num_positions is not None else max(len(x), 1))
     if torch.is_autocast_enabled(x.device.type):  # the matmul dtype an autocast nn.Linear would use
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk)
+    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight)
     accuracy = (argmax == argmax_draft).sum() / count.clamp(min=1)
     return loss, accuracy, count

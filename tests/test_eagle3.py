@@ -95,7 +95,8 @@ def test_ttt_equals_step_by_step_decoding_with_kv_cache(setup):
                                            atol=1e-5, rtol=0)
 
 
-def test_fused_lm_head_loss_equals_the_logits_path(setup):
+@pytest.mark.parametrize("tv_weight", [0.0, 1.0])
+def test_fused_lm_head_loss_equals_the_logits_path(setup, tv_weight):
     # ttt_loss's training path fuses the LM head into the soft CE (drafters.losses.linear_soft_cross_entropy);
     # return_logits=True builds every step's logits and scores them unfused: same losses and gradients
     model, drafter, features, input_ids, logits, loss_mask = setup
@@ -104,7 +105,7 @@ def test_fused_lm_head_loss_equals_the_logits_path(setup):
     for return_logits in (True, False):
         drafter.zero_grad()
         out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
-                                  return_logits=return_logits)
+                       tv_weight=tv_weight, return_logits=return_logits)
         out.loss.backward()
         results.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
     (reference, reference_grads), (fused, fused_grads) = results

@@ -17,20 +17,25 @@ def inputs(rows=37, hidden=16, vocab=50, seed=0):
     return x, weight, target_p, argmax_draft
 
 
-def unfused(x, weight, target_p, argmax_draft, num_positions=None):
+def unfused(x, weight, target_p, argmax_draft, num_positions=None, tv_weight=0.0):
     ones = torch.ones(len(x), dtype=torch.bool)
-    return soft_cross_entropy(x @ weight.T, target_p, ones, argmax_draft, ones, num_positions=num_positions)
+    return soft_cross_entropy(x @ weight.T, target_p, ones, argmax_draft, ones, num_positions=num_positions,
+                              tv_weight=tv_weight)
 
 
 @pytest.mark.parametrize("chunk", [1, 8, 1000])
 @pytest.mark.parametrize("num_positions", [None, 100])
-def test_fused_equals_unfused_in_float32(chunk, num_positions):
+@pytest.mark.parametrize("tv_weight", [0.0, 1.5])
+def test_fused_equals_unfused_in_float32(chunk, num_positions, tv_weight):
+    # the fused backward is hand-written (q - p, plus the TV term through the softmax Jacobian); the
+    # unfused path is differentiated by autograd
     x, weight, target_p, argmax_draft = inputs()
-    expected = unfused(x, weight, target_p, argmax_draft, num_positions)
+    expected = unfused(x, weight, target_p, argmax_draft, num_positions, tv_weight)
     expected[0].backward()
     grads = x.grad.clone(), weight.grad.clone()
     x.grad = weight.grad = None
-    got = linear_soft_cross_entropy(x, weight, target_p, argmax_draft, num_positions=num_positions, chunk=chunk)
+    got = linear_soft_cross_entropy(x, weight, target_p, argmax_draft, num_positions=num_positions, chunk=chunk,
+                                    tv_weight=tv_weight)
     (2.5 * got[0]).backward()  # an incoming gradient other than 1 scales both gradients
     torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
     assert got[1] == expected[1] and got[1] > 0 and got[2] == expected[2] == len(x)
@@ -51,6 +56,17 @@ def test_fused_under_bf16_autocast_matches_the_autocast_linear():
     torch.testing.assert_close(got[0], expected[0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(x.grad, grads[0], rtol=3e-2, atol=1e-3)
     torch.testing.assert_close(weight.grad, grads[1], rtol=3e-2, atol=1e-3)
+
+
+def test_the_tv_term_is_one_minus_the_acceptance_probability():
+    # speculative sampling accepts a token drafted from q with probability sum_d min(p_d, q_d)
+    x, weight, target_p, argmax_draft = inputs()
+    q = torch.softmax(x @ weight.T, -1)
+    acceptance = torch.minimum(q, target_p).sum(-1)  # (M,)
+    with torch.no_grad():
+        plain, with_tv = (unfused(x, weight, target_p, argmax_draft, tv_weight=w)[0] for w in (0.0, 2.0))
+    torch.testing.assert_close(with_tv - plain, 2.0 * (1 - acceptance).mean(), rtol=1e-5, atol=1e-6)
+    assert 0 < (1 - acceptance).mean() < 1
 
 
 def test_no_rows_gives_zero_loss_and_zero_gradients():

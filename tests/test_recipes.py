@@ -70,3 +70,16 @@ def test_all_problems_are_named_at_once():
     with pytest.raises(RecipeError) as err:
         load_script("train/heads.py").main(["recipes/medusa_tiny.yaml", "num_heads=0", "optim.lr=0", "threads=-1"])
     assert all(f in str(err.value) for f in ("num_heads=0", "optim.lr=0", "threads=-1")), err.value
+
+
+@pytest.mark.parametrize("recipe, override, message", [
+    ("recipes/eagle3_tiny.yaml", "tv_weight=-0.5", "tv_weight=-0.5 must be >= 0"),
+    # a family that does not read the field refuses it rather than training without it
+    ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1.0 is read by drafter: eagle3 only, not eagle1"),
+    ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1.0 is read by drafter: eagle3 only, not dflash"),
+])
+def test_tv_weight_is_refused_where_it_would_be_wrong_or_ignored(recipe, override, message):
+    from drafters.training.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_script("train/eagle.py").main([recipe, override])

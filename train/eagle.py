@@ -98,7 +98,7 @@ def main(argv: list[str]) -> Summary:
         drafter = build_eagle3_drafter(recipe, target, vocab)
         say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
             f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
-        objective = Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight)
+        objective = Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight)
     elif recipe.drafter == "dflash":
         try:
             mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)

@@ -41,6 +41,9 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
     ttt_steps: int = 7  # EAGLE-3 only
     step_weight: float = 0.8  # EAGLE-3 only: loss of TTT step i weighs step_weight ** i
+    # EAGLE-3 only: each position's loss adds tv_weight x the total variation distance between the target's
+    # and the draft's distributions (1 - P(a sampled draft is accepted); drafters.losses.soft_cross_entropy)
+    tv_weight: float = 0.0
     dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash only
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
@@ -52,6 +55,11 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
                 if getattr(recipe, name) < 1]
     if recipe.step_weight <= 0:
         problems.append(f"step_weight={recipe.step_weight} must be > 0")
+    if recipe.tv_weight < 0:
+        problems.append(f"tv_weight={recipe.tv_weight} must be >= 0 (0 = the soft cross-entropy alone)")
+    elif recipe.tv_weight and recipe.drafter != "eagle3":
+        problems.append(f"tv_weight={recipe.tv_weight} is read by drafter: eagle3 only, not {recipe.drafter}; "
+                        "remove it or set it to 0")
     if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
         problems.append(f"draft_vocab_coverage={recipe.draft_vocab_coverage} must be in (0, 1] or null "
                         "(null = draft_vocab_size as given)")
@@ -85,10 +93,11 @@ class TTTOutput:
 
 
 def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
-             step_weight: float = 0.8, normalize: str = "positions", return_logits: bool = False) -> TTTOutput:
+             step_weight: float = 0.8, tv_weight: float = 0.0, normalize: str = "positions",
+             return_logits: bool = False) -> TTTOutput:
     """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K steps, each scored by the soft
     cross-entropy against the target's distribution renormalised over the draft vocabulary, weighted
-    step_weight^i. target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised
+    step_weight^i (each position's loss + tv_weight x total variation, drafters.losses). target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised
     rows, so the full (B, T, V) logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
     is learnt. normalize: "positions" = each step's loss sums over counted positions / (B*T), the
     official trainer's and SpecForge's "averaged over all positions"; "counted" = mean over them.
@@ -114,11 +123,11 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
             step_logits.append(logits)
             all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
             metrics.append(soft_cross_entropy(logits[counted], target_p, all_counted, argmax_draft,
-                                              all_counted, num_positions=num_positions))
+                                              all_counted, num_positions=num_positions, tv_weight=tv_weight))
         else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
             normed = drafter.norm(hidden[:, :num_rows][counted])  # (M, h)
             metrics.append(linear_soft_cross_entropy(normed, drafter.lm_head.weight, target_p, argmax_draft,
-                                                     num_positions=num_positions))
+                                                     num_positions=num_positions, tv_weight=tv_weight))
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
     weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
@@ -145,13 +154,13 @@ class Eagle3Objective(nn.Module):
     """What accelerate prepares (DDP syncs gradients through forward): the training-time test of
     `drafter` on one batch. The target stays outside; its features and embedding are arguments."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float, tv_weight: float = 0.0):
         super().__init__()
-        self.drafter, self.steps, self.step_weight = drafter, steps, step_weight
+        self.drafter, self.steps, self.step_weight, self.tv_weight = drafter, steps, step_weight, tv_weight
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
         return ttt_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed,
-                        steps=self.steps, step_weight=self.step_weight)
+                        steps=self.steps, step_weight=self.step_weight, tv_weight=self.tv_weight)
 
 
 def target_inputs_fn(recipe: EagleRecipe, target: Target, drafter):
@@ -201,7 +210,7 @@ def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], 
         features, target_logits = inputs(batch)  # online or offline, as in training
         with accelerator.autocast():
             out = ttt_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"],
-                           embed, steps=steps, step_weight=recipe.step_weight)
+                           embed, steps=steps, step_weight=recipe.step_weight, tv_weight=recipe.tv_weight)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])
