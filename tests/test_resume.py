@@ -111,6 +111,34 @@ def test_changed_recipe_is_refused_with_a_diff_unless_allowed(uninterrupted, tmp
     assert summary.steps == 6  # max_steps may change freely
 
 
+def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run_does_not_read():
+    # a checkpoint written before tv_weight and dflash.block_size existed resumes under the newer code as long
+    # as they keep the defaults (which reproduce the old behaviour); an EAGLE-3 run ignores the eagle1 and
+    # dflash sections; everything else it reads is still compared
+    from drafters.training.eagle3 import EagleRecipe
+    from drafters.training.loop import recipe_diff
+    from drafters.training.recipe import to_dict
+
+    current = to_dict(EagleRecipe(target="tiny-random-llama", data={"path": "d.jsonl"}))
+    old = json.loads(json.dumps(current))
+    del old["tv_weight"], old["dflash"]["block_size"]
+    old["eagle1"]["feature"] = "pre_norm"  # a changed default in a section EAGLE-3 never reads
+    unread = EagleRecipe(target="t", data={"path": "d"}).unread_fields()
+    assert unread == {"eagle1", "dflash"}
+    assert recipe_diff(old, current, schema=EagleRecipe, unread=unread) == []
+    # without the schema and the unread sections, all three differences are reported
+    assert len(recipe_diff(old, current)) == 3
+    # an added field away from its default changes what is trained: reported, here and nested
+    assert recipe_diff(old, {**current, "tv_weight": 1.0}, schema=EagleRecipe, unread=unread) == [
+        "tv_weight: '<absent>' -> 1.0"]
+    del old["features"]["dir"]
+    assert recipe_diff(old, {**current, "features": {**current["features"], "dir": "f"}}, schema=EagleRecipe,
+                       unread=unread) == ["features.dir: '<absent>' -> 'f'"]
+    # a DFlash run reads its own section and ignores the EAGLE-3-only fields
+    dflash = EagleRecipe(target="t", data={"path": "d"}, drafter="dflash").unread_fields()
+    assert "dflash" not in dflash and {"ttt_steps", "tv_weight", "eagle1"} <= dflash
+
+
 def test_resume_from_another_family_or_target_is_refused(uninterrupted, tmp_path):
     with pytest.raises(RecipeError, match="model_type"):
         train(tmp_path / "g", f"resume_from={uninterrupted / 'checkpoint-4'}", "target=tiny-random-gemma3")

@@ -48,6 +48,10 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
+    def unread_fields(self) -> frozenset[str]:
+        own = {"eagle3": {"ttt_steps", "step_weight", "tv_weight"}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
+        return frozenset(set().union(*own.values()) - own[self.drafter])
+
 
 def eagle_problems(recipe: EagleRecipe) -> list[str]:
     """The EAGLE fields' problems (the shared sections are TrainRecipe.problems')."""

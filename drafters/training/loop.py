@@ -9,6 +9,7 @@ disk says which checkpoint to resume from. Functions that take a
 every family's Recipe dataclass works with them. Knows nothing about drafters or losses.
 """
 
+import dataclasses
 import errno
 import json
 import math
@@ -17,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import cached_property, partial
@@ -129,6 +131,11 @@ class TrainRecipe:
             found.append("set epochs or max_steps (or both: whichever ends first)")
         return found + self.data.problems() + self.optim.problems()
 
+    def unread_fields(self) -> frozenset[str]:
+        """Top-level fields this configuration never reads (another family's section): a resumed run
+        ignores changes to them (recipe_diff)."""
+        return frozenset()
+
 
 
 # The entry script that trains each drafter family.
@@ -203,7 +210,8 @@ def start_run(recipe, script: str):
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
     resume = resume_checkpoint(recipe, accelerator.print)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
-        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes)
+        check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes,
+                     schema=type(recipe), unread=recipe.unread_fields())
     train_rows, held_out = load_examples(recipe, target, accelerator.print)
     return accelerator, target, resume, train_rows, held_out
 
@@ -841,22 +849,45 @@ RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_di
                      "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
 
 
-def recipe_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | None = None,
+                unread: frozenset[str] = frozenset()) -> list[str]:
+    """'name: old -> new' for each recipe value that differs between a checkpoint's recipe and this one,
+    except RESUMABLE_CHANGES, the top-level fields in `unread` (sections this configuration never reads,
+    e.g. another family's) and fields the checkpoint's recipe lacks that are at their default in `schema`
+    (the recipe's dataclass): fields added by a later version of drafters default to the behaviour they
+    did not have before, so a run resumes across an upgrade."""
     lines = []
+    defaults = {f.name: f for f in dataclasses.fields(schema)} if schema is not None else {}
+    hints = typing.get_type_hints(schema) if schema is not None else {}
     for key in sorted(set(saved) | set(current)):
         name = prefix + key
-        if not prefix and key in RESUMABLE_CHANGES:
+        if not prefix and (key in RESUMABLE_CHANGES or key in unread):
             continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if key not in saved and key in defaults and new == field_default(defaults[key]):
+            continue
         if isinstance(old, dict) and isinstance(new, dict):
-            lines += recipe_diff(old, new, name + ".")
+            nested = hints.get(key)
+            lines += recipe_diff(old, new, name + ".", nested if dataclasses.is_dataclass(nested) else None)
         elif old != new:
             lines.append(f"{name}: {old!r} -> {new!r}")
     return lines
 
 
-def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool) -> None:
-    """The checkpoint must be of this family and target, and trained by the same recipe."""
+def field_default(f: dataclasses.Field):
+    """A recipe field's default as plain data (to_dict's form), or a sentinel where it has none."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return object()
+    return asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool, *, schema: type | None = None,
+                 unread: frozenset[str] = frozenset()) -> None:
+    """The checkpoint must be of this family and target, and trained by the same recipe (recipe_diff)."""
     if ckpt.family != family:
         raise RecipeError(f"resume_from={ckpt.path}: a {ckpt.family!r} checkpoint, but this recipe trains "
                           f"{family!r}; resume it with its own recipe or start a fresh run (resume_from=null)")
@@ -864,7 +895,7 @@ def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bo
         check_target(ckpt, target)
     except CheckpointError as error:
         raise RecipeError(f"resume_from: {error}") from None
-    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict)
+    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict, schema=schema, unread=unread)
     if diff and not allow_changes:
         raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
                           + "\n  ".join(diff) + "\nresume with the original values, or set "
