@@ -29,6 +29,22 @@ def test_humaneval_has_164_code_completion_prompts():
     assert all(len(item.turns) == 1 and "def " in item.turns[0] for item in items)
 
 
+@pytest.mark.real
+def test_humaneval_edit_asks_to_return_each_reference_solution_renamed():
+    import gzip
+
+    with gzip.open(benches._packaged_file("humaneval"), "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    items = load_bench("humaneval_edit")
+    assert len(items) == len(rows) == 164 and {i.category for i in items} == {"code_edit"}
+    for item, row in zip(items, rows):
+        (turn,) = item.turns
+        assert item.id == row["task_id"] + "/edit" and not item.completion
+        # the whole reference code is in the prompt, so a faithful answer copies it
+        assert row["canonical_solution"].strip() in turn and f"def {row['entry_point']}(" in turn
+        assert f"`{row['entry_point']}` to `{row['entry_point']}_v2`" in turn
+
+
 def test_local_jsonl_of_prompts_and_conversations(tmp_path):
     path = tmp_path / "mixed.jsonl"
     rows = [
@@ -45,7 +61,7 @@ def test_local_jsonl_of_prompts_and_conversations(tmp_path):
 
 
 def test_bad_inputs_say_what_to_do(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="unknown bench 'nope'.*humaneval, mt_bench"):
+    with pytest.raises(ValueError, match="unknown bench 'nope'.*humaneval, humaneval_edit, mt_bench"):
         load_bench("nope")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{not json\n')

