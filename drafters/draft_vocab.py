@@ -89,6 +89,14 @@ def kept_target_ids(t2d: Tensor, size: int) -> Tensor:
     return torch.argsort((~t2d).to(torch.int8), stable=True)[:size]
 
 
+def scatter_to_target(x: Tensor, used: Tensor, target_vocab_size: int, fill: float) -> Tensor:
+    """(F, Vd) scores over draft ids -> (F, V) over target ids: out[:, used[d]] = x[:, d] (target id = draft id
+    + d2t[draft id]), `fill` at the target ids the draft vocab lacks (-inf for log-probs, 0 for probs)."""
+    out = x.new_full((x.shape[0], target_vocab_size), fill)
+    out[:, used] = x
+    return out
+
+
 def draft_rank(t2d: Tensor) -> Tensor:
     """(V,) target id -> its draft id (its rank among the kept ids); meaningful where t2d."""
     return t2d.long().cumsum(0) - 1

@@ -25,11 +25,11 @@ from torch import Tensor
 
 from drafters.checkpoint import check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
-from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import (ChainSpec, DynamicSpec, Frontier, Tree, TreeSpec, build_tree, parse_tree_spec,
                                   ranked_draws)
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
+from drafters.draft_vocab import scatter_to_target
 from drafters.eagle3 import fuse_features
 from drafters.registry import build_drafter, check_fits, drafter_config
 
@@ -107,7 +107,8 @@ class DFlashProposer:
 
         return expand, probs
 
-    _to_target = EagleProposer._to_target  # (F, Vd) -> (F, V) through d2t, `fill` elsewhere
+    def _to_target(self, x: Tensor, fill: float) -> Tensor:  # (F, Vd) -> (F, V), `fill` off the draft vocab
+        return scatter_to_target(x, self.used, self.drafter.config.vocab_size, fill)
 
 
 # ---------------------------------------------------------------- loading

@@ -28,6 +28,7 @@ from torch import Tensor
 from drafters.checkpoint import check_target, load_checkpoint
 from drafters.registry import build_drafter, check_fits, drafter_config
 from drafters.eagle3 import Eagle3Config, fuse_features
+from drafters.draft_vocab import scatter_to_target
 from drafters.layers import DraftKVCache
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
@@ -125,11 +126,8 @@ class EagleProposer:
         hidden.update(zip(nodes, out[0]))
         return logits[0]  # (F, Vd)
 
-    def _to_target(self, x: Tensor, fill: float) -> Tensor:
-        # (F, Vd) over draft ids -> (F, V) over target ids (target id = draft id + d2t[draft id])
-        out = x.new_full((x.shape[0], self.drafter.config.vocab_size), fill)
-        out[:, self.used] = x
-        return out
+    def _to_target(self, x: Tensor, fill: float) -> Tensor:  # (F, Vd) -> (F, V), `fill` off the draft vocab
+        return scatter_to_target(x, self.used, self.drafter.config.vocab_size, fill)
 
 
 # ---------------------------------------------------------------- loading a native checkpoint
