@@ -83,3 +83,37 @@ def test_hybrid_decoding_equals_generate_and_refuses_sampling(setup):  # noqa: F
         assert max(stats.tree_sizes) <= 1 + 8 + 4  # the drafter's budget + one lookup branch of the depth
     with pytest.raises(ValueError, match="greedily only"):
         proposer.propose(references[0, :PROMPT - 1], int(references[0, PROMPT - 1]), SamplingConfig(temperature=1.0))
+
+
+def test_copy_rounds_verify_the_lookup_tree_alone_and_decoding_still_equals_generate(setup):  # noqa: F811
+    # copy_ngram=2: a round whose last 2+ tokens recur with a full-depth continuation verifies the lookup's
+    # own tree and does not run the drafter; other rounds merge as before. The drafter skipped a round
+    # still reads the accepted tokens (update), so later rounds draft from the right context.
+    target, references, path = setup
+    spec = parse_tree_spec("dynamic:total=8,depth=4,topk=3")
+    proposer = load_proposer(f"{path}+prompt-lookup:copy_ngram=2", target, spec)
+    drafter_rounds = []
+    real_propose = proposer.drafter.propose
+    proposer.drafter.propose = lambda *a, **k: drafter_rounds.append(1) or real_propose(*a, **k)
+    for row in range(2):
+        prompt = references[row, :PROMPT]
+        out, stats = speculative_generate(target, proposer, prompt, max_new_tokens=NEW)
+        assert out.tolist() == references[row, :PROMPT + NEW].tolist()
+    assert 0 < proposer.copy_rounds < proposer.rounds  # both kinds of round happened
+    assert len(drafter_rounds) == proposer.rounds - proposer.copy_rounds
+    # a copying context: the lookup's tree is returned as is
+    context = torch.tensor([5, 6, 7, 8, 9, 10, 11, 5, 6])  # "5 6" recurs, followed by 7 8 9 10
+    copied = proposer.copy_lookup.propose(context, 7)
+    before = len(drafter_rounds)
+    got = proposer.propose(context, 7, SamplingConfig())
+    assert len(drafter_rounds) == before and torch.equal(got.tokens, copied.tokens) and got.max_depth == 4
+
+
+def test_copy_ngram_option_is_checked(setup):  # noqa: F811
+    target, _, path = setup
+    spec = parse_tree_spec("chain:4")
+    for bad in ("copy_ngram=0", "copy_ngram=x"):
+        with pytest.raises(ValueError, match=f"prompt-lookup option '{bad}': expected copy_ngram=N with N >= 1"):
+            load_proposer(f"{path}+prompt-lookup:{bad}", target, spec)
+    with pytest.raises(ValueError, match="prompt-lookup option 'nope=1'"):
+        load_proposer(f"{path}+prompt-lookup:copy_ngram=2,nope=1", target, spec)

@@ -66,7 +66,8 @@ def parse_args(argv):
                    help="prompt-lookup | draft-model:<target> | drafter checkpoint directory, ours or exported "
                         "by another tool (DIR:aux_layers=A,B,C: the HF hidden_states indices an EAGLE-3 "
                         "directory without layer ids drafts from, instead of the engine's default) | "
-                        "DIR+prompt-lookup (the drafter's tree plus lookup continuations, greedy)")
+                        "DIR+prompt-lookup[:copy_ngram=N] (the drafter's tree plus lookup continuations, greedy; copy_ngram: "
+                        "rounds where an N-gram match continues for the full depth verify lookup alone)")
     p.add_argument("--bench", required=True, help="mt_bench | humaneval | humaneval_edit (code edits that copy the prompt) | path to a JSONL file")
     p.add_argument("--tree", default="chain:4",
                    help="chain:K | static:... | dynamic:total=,depth=,topk= | auto (fastest on this machine)")

@@ -10,7 +10,10 @@ Specs:
                                             drafts from these (HF hidden_states indices) instead of
                                             the serving engine's default; refused where it records others
   <directory>+prompt-lookup[:options]       the drafter's tree plus one prompt-lookup continuation as
-                                            deep as the tree, verified together (greedy only)
+                                            deep as the tree, verified together (greedy only);
+                                            options: max_ngram, min_ngram, copy_ngram=N (rounds where
+                                            an N-gram match continues for the full depth verify the
+                                            lookup's own tree and skip the drafter)
 
 The tree spec decides the draft shape. Prompt lookup maps it onto (depth, branches, node cap):
 chain:K -> (K, 1, K); dynamic:total,depth,topk -> (depth, topk, total); static -> (max depth,
@@ -142,9 +145,23 @@ def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
 
 
 def _hybrid(drafter, lookup_options: str, target, tree: TreeSpec) -> HybridProposer:
-    # one lookup continuation as deep as the tree (at most tree_depth nodes more to verify per round)
-    lookup = _prompt_lookup(lookup_options, target, ChainSpec(tree.depth))
-    hybrid = HybridProposer(drafter, lookup, max_lookup_nodes=tree.depth)
+    # one lookup continuation as deep as the tree (at most tree_depth nodes more to verify per round);
+    # copy_ngram=N: rounds where an N-gram (or longer) match continues for the tree's full depth verify the
+    # lookup's own tree (the tree's budget and branching) without drafting
+    options = [item for item in lookup_options.split(",") if item]
+    copy = [item for item in options if item.startswith("copy_ngram=")]
+    copy_lookup = None
+    if copy:
+        value = copy[-1].partition("=")[2]
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"prompt-lookup option {copy[-1]!r}: expected copy_ngram=N with N >= 1")
+        n = int(value)
+        base = _prompt_lookup(",".join(o for o in options if o not in copy), target, tree)
+        copy_lookup = PromptLookupProposer(depth=base.depth, branches=base.branches, max_nodes=base.max_nodes,
+                                           max_ngram=max(n, base.max_ngram), min_ngram=n,
+                                           eos_token_ids=base.eos_token_ids)
+    lookup = _prompt_lookup(",".join(o for o in options if o not in copy), target, ChainSpec(tree.depth))
+    hybrid = HybridProposer(drafter, lookup, max_lookup_nodes=tree.depth, copy_lookup=copy_lookup)
     hybrid.notes = getattr(drafter, "notes", [])  # how the drafter's files were read
     return hybrid
 
