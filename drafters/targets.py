@@ -68,6 +68,18 @@ class TargetFeatures:
     pre_norm_last: Tensor | None  # (B, T, H) output of the last decoder layer before the norm
     logits: Tensor | None  # (B, T, V)
 
+    @staticmethod
+    def cat(parts: list["TargetFeatures"]) -> "TargetFeatures":
+        """Features of consecutive positions, concatenated along T (the parts share layers and fields)."""
+        def join(tensors):
+            return None if tensors[0] is None else torch.cat(tensors, dim=1)
+        return TargetFeatures(
+            hidden_states={layer: torch.cat([p.hidden_states[layer] for p in parts], dim=1)
+                           for layer in parts[0].hidden_states},
+            last_hidden=torch.cat([p.last_hidden for p in parts], dim=1),
+            pre_norm_last=join([p.pre_norm_last for p in parts]),
+            logits=join([p.logits for p in parts]))
+
 
 class PreNormCapture:
     """`with PreNormCapture(model, active) as pre_norm:` while open, `pre_norm.value` is the input of the

@@ -92,15 +92,18 @@ def test_copy_rounds_verify_the_lookup_tree_alone_and_decoding_still_equals_gene
     target, references, path = setup
     spec = parse_tree_spec("dynamic:total=8,depth=4,topk=3")
     proposer = load_proposer(f"{path}+prompt-lookup:copy_ngram=2", target, spec)
-    drafter_rounds = []
-    real_propose = proposer.drafter.propose
+    drafter_rounds, drafter_updates = [], []
+    real_propose, real_update = proposer.drafter.propose, proposer.drafter.update
     proposer.drafter.propose = lambda *a, **k: drafter_rounds.append(1) or real_propose(*a, **k)
+    proposer.drafter.update = lambda *a, **k: drafter_updates.append(1) or real_update(*a, **k)
     for row in range(2):
         prompt = references[row, :PROMPT]
         out, stats = speculative_generate(target, proposer, prompt, max_new_tokens=NEW)
         assert out.tolist() == references[row, :PROMPT + NEW].tolist()
     assert 0 < proposer.copy_rounds < proposer.rounds  # both kinds of round happened
     assert len(drafter_rounds) == proposer.rounds - proposer.copy_rounds
+    # a copying streak's updates reach the drafter in one call, when it next drafts
+    assert len(drafter_updates) <= len(drafter_rounds) < proposer.rounds
     # a copying context: the lookup's tree is returned as is
     context = torch.tensor([5, 6, 7, 8, 9, 10, 11, 5, 6])  # "5 6" recurs, followed by 7 8 9 10
     copied = proposer.copy_lookup.propose(context, 7)
@@ -117,3 +120,33 @@ def test_copy_ngram_option_is_checked(setup):  # noqa: F811
             load_proposer(f"{path}+prompt-lookup:{bad}", target, spec)
     with pytest.raises(ValueError, match="prompt-lookup option 'nope=1'"):
         load_proposer(f"{path}+prompt-lookup:copy_ngram=2,nope=1", target, spec)
+
+
+@pytest.mark.parametrize("split", [1, 3, 5])
+def test_one_update_over_concatenated_rounds_equals_the_rounds_one_by_one(setup, split):  # noqa: F811
+    # the contract the hybrid's lazy catch-up relies on: the drafter's next tree is the same whether it
+    # read two rounds' tokens and features one round at a time or in one call
+    from drafters.targets import TargetFeatures
+    from test_eagle_proposer import target_features
+
+    target, references, path = setup
+    spec = parse_tree_spec("dynamic:total=8,depth=4,topk=3")
+    ids = references[0, :PROMPT + 8]
+    feats = target_features(target.model, ids, load_proposer(str(path), target, spec).needs.layers)
+
+    def at(positions):
+        return TargetFeatures({k: v[:, positions] for k, v in feats.hidden_states.items()},
+                              feats.last_hidden[:, positions], None, feats.logits[:, positions])
+
+    trees = []
+    for joined in (False, True):
+        proposer = load_proposer(str(path), target, spec)
+        proposer.reset(ids[:PROMPT], at(slice(0, PROMPT)))
+        rounds = [slice(PROMPT, PROMPT + split), slice(PROMPT + split, PROMPT + 7)]  # round tokens (a,)
+        if joined:
+            proposer.update(ids[PROMPT:PROMPT + 7], TargetFeatures.cat([at(r) for r in rounds]), int(ids[PROMPT + 7]))
+        else:
+            for r in rounds:
+                proposer.update(ids[r], at(r), int(ids[r.stop]))
+        trees.append(proposer.propose(ids[:PROMPT + 7], int(ids[PROMPT + 7]), SamplingConfig()))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
