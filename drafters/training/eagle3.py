@@ -61,7 +61,7 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
         problems.append(f"step_weight={recipe.step_weight} must be > 0")
     if recipe.tv_weight < 0:
         problems.append(f"tv_weight={recipe.tv_weight} must be >= 0 (0 = the soft cross-entropy alone)")
-    elif recipe.tv_weight and recipe.drafter != "eagle3":
+    elif recipe.tv_weight and "tv_weight" in recipe.unread_fields():
         problems.append(f"tv_weight={recipe.tv_weight} is read by drafter: eagle3 only, not {recipe.drafter}; "
                         "remove it or set it to 0")
     if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
@@ -101,8 +101,9 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
              return_logits: bool = False) -> TTTOutput:
     """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K steps, each scored by the soft
     cross-entropy against the target's distribution renormalised over the draft vocabulary, weighted
-    step_weight^i (each position's loss + tv_weight x total variation, drafters.losses). target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised
-    rows, so the full (B, T, V) logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
+    step_weight^i (each position's loss + tv_weight x total variation, drafters.losses). target_logits
+    (B, T, V), or drafters.losses.LabelLogits (read only at the supervised rows, so the full (B, T, V)
+    logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
     is learnt. normalize: "positions" = each step's loss sums over counted positions / (B*T), the
     official trainer's and SpecForge's "averaged over all positions"; "counted" = mean over them.
     return_logits keeps each step's draft logits in the output (tests; costs memory)."""

@@ -10,8 +10,9 @@ lookup alone where answers copy (code edits: tau 3.73 at 0.99x against lookup's 
 recurs: the answer is copying) verifies the lookup's own tree and skips the drafter. The drafter still
 reads every accepted token, but lazily: the rounds' tokens and features wait until it next drafts and
 are then committed in one update() (every proposer's update is additive: two calls equal one over the
-concatenation), one drafter forward for a whole copying streak. Greedy verification only: the lookup's drafts are deterministic while a sampling
-drafter's siblings are draws from its q, and mixing the two breaks the rejection-sampling correction.
+concatenation), one drafter forward for a whole copying streak. Greedy verification only: the lookup's
+drafts are deterministic while a sampling drafter's siblings are draws from its q, and mixing the two
+breaks the rejection-sampling correction.
 Knows nothing about the target: it forwards the decoder's calls to both proposers.
 """
 

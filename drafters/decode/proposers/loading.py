@@ -127,7 +127,8 @@ def proposer_sha256(spec: str) -> str | None:
     return dir_sha256(path, names)
 
 
-def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
+def _prompt_lookup(arg: str, target, tree: TreeSpec, **overrides: int) -> PromptLookupProposer:
+    # arg: "max_ngram=N,min_ngram=N" as typed; overrides (the hybrid's copy lookup) replace those keys
     options = {}
     for item in filter(None, arg.split(",")):
         key, eq, value = item.partition("=")
@@ -141,7 +142,7 @@ def _prompt_lookup(arg: str, target, tree: TreeSpec) -> PromptLookupProposer:
     else:
         branches = sum(1 for i in range(tree.shape.num_nodes) if i not in tree.shape.parents)
     return PromptLookupProposer(depth=tree.depth, branches=branches, max_nodes=tree.budget,
-                                eos_token_ids=target.eos_token_ids, **options)
+                                eos_token_ids=target.eos_token_ids, **(options | overrides))
 
 
 def _hybrid(drafter, lookup_options: str, target, tree: TreeSpec) -> HybridProposer:
@@ -150,17 +151,15 @@ def _hybrid(drafter, lookup_options: str, target, tree: TreeSpec) -> HybridPropo
     # lookup's own tree (the tree's budget and branching) without drafting
     options = [item for item in lookup_options.split(",") if item]
     copy = [item for item in options if item.startswith("copy_ngram=")]
+    rest = ",".join(item for item in options if item not in copy)
+    lookup = _prompt_lookup(rest, target, ChainSpec(tree.depth))
     copy_lookup = None
     if copy:
         value = copy[-1].partition("=")[2]
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"prompt-lookup option {copy[-1]!r}: expected copy_ngram=N with N >= 1")
         n = int(value)
-        base = _prompt_lookup(",".join(o for o in options if o not in copy), target, tree)
-        copy_lookup = PromptLookupProposer(depth=base.depth, branches=base.branches, max_nodes=base.max_nodes,
-                                           max_ngram=max(n, base.max_ngram), min_ngram=n,
-                                           eos_token_ids=base.eos_token_ids)
-    lookup = _prompt_lookup(",".join(o for o in options if o not in copy), target, ChainSpec(tree.depth))
+        copy_lookup = _prompt_lookup(rest, target, tree, min_ngram=n, max_ngram=max(n, lookup.max_ngram))
     hybrid = HybridProposer(drafter, lookup, max_lookup_nodes=tree.depth, copy_lookup=copy_lookup)
     hybrid.notes = getattr(drafter, "notes", [])  # how the drafter's files were read
     return hybrid
