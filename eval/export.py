@@ -10,6 +10,9 @@
     medusa  Medusa / TGI layout (config.json + medusa_lm_head.safetensors), Medusa heads only
     eagle1  official EAGLE-1 layout (config.json + fc.*, layers.0.*), EAGLE-1 drafters trained with
             eagle1.feature=normed only
+    llama.cpp  a GGUF drafter (EAGLE-3 or DFlash) written by llama.cpp's own converter, --dtype f32, f16 or
+            q8_0, --target required; needs the project's llama.cpp build (bash .ci/llama-cpp). Serve it with
+            eval/llama_cpp.py or llama-server --spec-draft-model DIR/drafter-f32.gguf --spec-type (DIR/llama-cpp.json)
 A dflash checkpoint goes to sglang (SGLang's DFlash drafter: --speculative-algorithm DFLASH; full-vocabulary
 drafters only) or vllm (speculators' `dflash`; --target needed with a reduced vocabulary).
 
@@ -26,7 +29,11 @@ from drafters.checkpoint import CheckpointError
 from drafters.export.common import EXPORT_DTYPE_SPELLINGS, ExportError, describe
 from drafters.export.dispatch import FORMATS, export_checkpoint
 from drafters.export.check import ExportCheckError
+from drafters.engines.llama_cpp import LlamaCppError
 from drafters.targets import TargetError, load_target
+
+
+LLAMA_CPP_ONLY = ("f32", "f16", "q8_0")  # GGUF types (--format llama.cpp)
 
 
 def parse_args(argv):
@@ -36,7 +43,8 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="output directory (must not exist, see --overwrite)")
     p.add_argument("--target", default=None,
                    help="load this target and validate against it (short name, HF dir, .gguf)")
-    p.add_argument("--dtype", default="fp32", choices=EXPORT_DTYPE_SPELLINGS, help="fp32 = float32, bf16 = bfloat16")
+    p.add_argument("--dtype", default="fp32", choices=[*EXPORT_DTYPE_SPELLINGS, *LLAMA_CPP_ONLY],
+                   help="fp32 = float32, bf16 = bfloat16; llama.cpp: f32 (= fp32), f16 or q8_0")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="vllm: proposal_methods[0].speculative_tokens (default: 3, vLLM's default depth, for "
                         "EAGLE-3; block_size - 1 for DFlash)")
@@ -51,12 +59,15 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dtype in LLAMA_CPP_ONLY and args.format != "llama.cpp":
+        print(f"--dtype {args.dtype} is a GGUF type: only --format llama.cpp writes it", file=sys.stderr)
+        return 2
     try:
         target = load_target(args.target) if args.target else None
         result = export_checkpoint(args.checkpoint, args.format, args.out, target=target,
                                    dtype=args.dtype, speculative_tokens=args.speculative_tokens,
                                    verifier=args.verifier, overwrite=args.overwrite)
-    except (ExportError, ExportCheckError, CheckpointError, TargetError) as err:
+    except (ExportError, ExportCheckError, CheckpointError, TargetError, LlamaCppError) as err:
         print(f"export failed, nothing written to {args.out}:\n{err}", file=sys.stderr)
         return 1
     print(describe(result))

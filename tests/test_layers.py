@@ -1,8 +1,10 @@
 """The folder a module sits in says what it may import (README "Layout"):
 
     drafters/*.py          foundation and one file per drafter family: imports only drafters/*.py
-    drafters/export/       formats and their readers: + drafters/export
-    drafters/decode/       trees, decoder, sampling, proposers, benches: + drafters/decode, drafters/export
+    drafters/engines/      external serving engines driven as programs (llama.cpp): + drafters/engines
+    drafters/export/       formats and their readers: + drafters/engines, drafters/export
+    drafters/decode/       trees, decoder, sampling, proposers, benches: + drafters/decode, drafters/export,
+                           drafters/engines
     drafters/training/     recipes, data, loop, objectives, feature store: anything in drafters
     train/, eval/          entry scripts: anything in drafters, never each other
 
@@ -23,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # layer -> the layers it may import from; "scripts" are train/*.py and eval/*.py.
 ALLOWED = {
     "core": {"core"},
-    "export": {"core", "export"},
-    "decode": {"core", "decode", "export"},
-    "training": {"core", "export", "decode", "training"},
-    "scripts": {"core", "export", "decode", "training"},
+    "engines": {"core", "engines"},
+    "export": {"core", "engines", "export"},
+    "decode": {"core", "engines", "decode", "export"},
+    "training": {"core", "engines", "export", "decode", "training"},
+    "scripts": {"core", "engines", "export", "decode", "training"},
 }
 
 

@@ -9,6 +9,8 @@
             checkpoints only (writer and independent reader: drafters.export.medusa)
     eagle1  official EAGLE-1 layout: config.json + fc.*, layers.0.*; eagle1 checkpoints trained on
             normed features only (writer and independent reader: drafters.export.eagle1)
+llama.cpp  a GGUF drafter for llama.cpp (--spec-type draft-eagle3 / draft-dflash), written by llama.cpp's own
+           converter and read back (drafters.export.llama_cpp); EAGLE-3 and DFlash checkpoints
 A dflash checkpoint exports to sglang (SGLang's DFlashDraftModel) and vllm (speculators' `dflash`) in the
 DFlash layouts instead (writer and independent reader: drafters.export.dflash).
 
@@ -33,9 +35,10 @@ from drafters.export.common import (ExportError, ExportResult, cast_floats, chec
 from drafters.export.dflash import export_dflash
 from drafters.export.eagle1 import export_eagle1
 from drafters.export.eagle3 import preflight, write_eagle3
+from drafters.export.llama_cpp import export_llama_cpp
 from drafters.export.medusa import export_medusa
 
-FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1")
+FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp")
 
 
 def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
@@ -45,6 +48,9 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     speculative_tokens (vllm): None = 3 for EAGLE-3 (vLLM's default depth), block_size - 1 for DFlash."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if fmt == "llama.cpp":  # via the vllm (EAGLE-3) or sglang (DFlash) layout, then llama.cpp's converter
+        return export_llama_cpp(ckpt_dir, out_dir, target=target, export_checkpoint=export_checkpoint, dtype=dtype,
+                                overwrite=overwrite)
     if fmt in ("sglang", "vllm") and _family(ckpt_dir) == "dflash":  # the DFlash layouts of both engines
         return export_dflash(ckpt_dir, fmt, out_dir, target=target, dtype=dtype, speculative_tokens=speculative_tokens,
                              verifier=verifier, overwrite=overwrite)

