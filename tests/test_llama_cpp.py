@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from drafters.checkpoint import save_checkpoint, target_info
 from drafters.decode.proposers.loading import load_proposer
-from drafters.decode.referee import referee
+from drafters.decode.referee import parting, referee
 from drafters.decode.tree import parse_tree_spec
 from drafters.dflash import DFlashConfig, DFlashDrafter, sample_anchors
 from drafters.draft_vocab import build_draft_vocab
@@ -44,6 +44,13 @@ pytestmark = [pytest.mark.llama_cpp, pytest.mark.real]
 QUESTIONS = ["Hello there, how are you?", "Write a haiku about the sea.", "What is 12 times 7?",
              "Name three colours.", "Tell me a story about a fox.", "How do I sort a list in Python?"]
 NEW, BLOCK = 24, 5
+# How far two greedy runs of the same weights may part: only at a near-tie of the target's top two logits,
+# relative margin |l_a - l_b| / |l| below what the arithmetic can move. F32 in both engines: the same products
+# summed in another order, ~1e-6 relative per sum over 576-wide dot products, so 1e-4 is generous. The Q4_1
+# file: llama.cpp quantises activations to 8 bits (q8_1, error up to max|x| / 254 per element) and its one-token
+# and many-token paths quantise and accumulate differently, so verifying a draft is not bit-identical to a
+# plain step; partings seen at 0.8% and 0.14%: 1%.
+TIE = {"f32": 1e-4, "shipped": 1e-2}
 
 
 # ---------------------------------------------------------------- fixtures: target, GGUF, drafters
@@ -73,8 +80,9 @@ def cache(tmp_path_factory):
 
 
 def prompts(target) -> list[list[int]]:
+    questions = QUESTIONS if target.num_layers < 10 else QUESTIONS[:3]  # SmolLM2: three, for the suite's time
     return [list(target.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                       return_dict=True)["input_ids"]) for q in QUESTIONS]
+                                                       return_dict=True)["input_ids"]) for q in questions]
 
 
 def continuations(target, new=40) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -150,7 +158,7 @@ def export(ckpt, target, out, dtype="f32"):
 # ---------------------------------------------------------------- served by llama.cpp, refereed
 
 
-def serve_and_referee(target, target_file, export_dir, ckpt, *, expect_agreement=True):
+def serve_and_referee(target, target_file, export_dir, ckpt, *, tie=TIE["f32"], expect_agreement=True):
     manifest = json.loads((export_dir / "llama-cpp.json").read_text())
     drafter_file = export_dir / manifest["drafter"]
     n_max = manifest["draft_n_max"]
@@ -163,7 +171,9 @@ def serve_and_referee(target, target_file, export_dir, ckpt, *, expect_agreement
     with LlamaServer(target_file, draft=drafter_file, spec_type=manifest["spec_type"], n_max=n_max,
                      exact=True) as server:
         for p, reference in zip(ids, plain_out):
-            assert server.complete(p, NEW).tokens == reference  # lossless in llama.cpp itself
+            # lossless in llama.cpp itself: equal to its own plain decoding, or parted only at a near-tie
+            where = parting(target, p, reference, server.complete(p, NEW).tokens)
+            assert where is None or where.near_tie(tie), where
             results.append(referee(server, target, proposer, p, NEW))
     accepted = sum(r.engine_accepted for r in results)
     assert accepted > 0, "no draft accepted: the comparison would prove nothing"
@@ -234,7 +244,7 @@ def test_no_build_names_the_command(tmp_path, monkeypatch, tiny, drafters_for_ti
 def test_converter_failure_shows_its_message(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
-    with pytest.raises(LlamaCppError, match="converter failed.*NoSuchForCausalLM"):
+    with pytest.raises(LlamaCppError, match=r"(?s)converter failed.*Model NoSuchForCausalLM is not supported"):
         llama_cpp.convert(tmp_path / "model", tmp_path / "x.gguf", outtype="f32")
 
 
@@ -244,3 +254,26 @@ def test_a_drafter_for_another_target_is_refused_before_running(tiny, drafters_f
                                tiny.tokenizer, "four-layers"), "f32", cache_dir=cache)
     with pytest.raises(LlamaCppError, match="target has 4 layers"):
         check_pair(other, tmp_path / "gguf" / "drafter-f32.gguf")
+
+
+# ---------------------------------------------------------------- SmolLM2: the shipped Q4_1 file and F32
+
+
+@pytest.fixture(scope="module")
+def drafters_for_smollm2(smollm2, tmp_path_factory):
+    rows = continuations(smollm2)
+    root = tmp_path_factory.mktemp("smollm2-drafters")
+    return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(smollm2, rows, 120), smollm2),
+            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(smollm2, rows, 120), smollm2)}
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_smollm2_serves_our_drafter(family, smollm2, drafters_for_smollm2, cache, tmp_path):
+    ckpt = drafters_for_smollm2[family]
+    export(ckpt, smollm2, tmp_path / "gguf")
+    # F32: the weights we trained against, exact arithmetic: lossless, and the referee agrees on shared text
+    results = serve_and_referee(smollm2, target_gguf(smollm2, "f32", cache_dir=cache), tmp_path / "gguf", ckpt)
+    assert sum(r.generated for r in results) >= len(results) * NEW // 2  # mostly the same greedy text
+    # the shipped Q4_1 file: quantised activations part the texts sooner, so only losslessness is asserted
+    serve_and_referee(smollm2, target_gguf(smollm2, "shipped"), tmp_path / "gguf", ckpt, tie=TIE["shipped"],
+                      expect_agreement=False)

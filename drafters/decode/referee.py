@@ -62,3 +62,29 @@ def referee(server, target, proposer, prompt_ids: list[int], max_new_tokens: int
     elif parted is not None:
         return Agreement(len(prompt_ids), 0, 0, 0, 0, 0)
     return Agreement(len(prompt_ids), len(mine), parted, accepted, engine.draft_accepted, engine.draft_n)
+
+
+@dataclass
+class Parting:
+    at: int  # index of the first differing generated token
+    tokens: tuple[int, int]  # (reference's, other's)
+    logits: tuple[float, float]  # the torch target's logits of both, after the shared prefix
+    top2: bool  # the two tokens are the torch target's two highest logits
+    relative_margin: float  # |l_a - l_b| / max(|l_a|, |l_b|)
+
+    def near_tie(self, tolerance: float) -> bool:
+        return self.top2 and self.relative_margin <= tolerance
+
+
+@torch.no_grad()
+def parting(target, prompt_ids: list[int], reference: list[int], other: list[int]) -> Parting | None:
+    """Where two greedy outputs of the same prompt part, and whether that is a near-tie in the target: the
+    two tokens are its top two and their logits differ by less than arithmetic noise can move them."""
+    k = shared_prefix(reference, other)
+    if k == min(len(reference), len(other)):
+        return None
+    a, b = reference[k], other[k]
+    logits = target.model(torch.tensor([prompt_ids + reference[:k]])).logits[0, -1].float()  # (V,)
+    top = set(logits.topk(2).indices.tolist())
+    la, lb = float(logits[a]), float(logits[b])
+    return Parting(k, (a, b), (la, lb), top == {a, b}, abs(la - lb) / max(abs(la), abs(lb), 1e-9))
