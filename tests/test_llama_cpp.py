@@ -277,3 +277,31 @@ def test_smollm2_serves_our_drafter(family, smollm2, drafters_for_smollm2, cache
     # the shipped Q4_1 file: quantised activations part the texts sooner, so only losslessness is asserted
     serve_and_referee(smollm2, target_gguf(smollm2, "shipped"), tmp_path / "gguf", ckpt, tie=TIE["shipped"],
                       expect_agreement=False)
+
+
+# ---------------------------------------------------------------- the speed bench and its script
+
+
+def test_engine_bench_alternates_modes_and_counts_what_llama_cpp_counts(tiny, drafters_for_tiny, cache, tmp_path):
+    from drafters.decode.engine_bench import PLAIN, Mode, run_modes, summarize
+
+    target_file = target_gguf(tiny, "f32", cache_dir=cache)
+    export(drafters_for_tiny["eagle3"], tiny, tmp_path / "gguf")
+    modes = [Mode(PLAIN), Mode("eagle3", "draft-eagle3", tmp_path / "gguf" / "drafter-f32.gguf", 3),
+             Mode("ngram-simple", "ngram-simple")]
+    results = run_modes(target_file, modes, prompts(tiny)[:2], 12, repeats=2, progress=lambda _: None)
+    rows = {r["mode"]: r for r in summarize(results)}
+    assert all(len(results[m.name].runs) == 2 and len(results[m.name].runs[0]) == 2 for m in modes)
+    assert rows[PLAIN]["speedup_runs"] == [1.0, 1.0] and rows[PLAIN]["drafted"] == 0 and rows[PLAIN]["tau"] == 1.0
+    eagle = rows["eagle3"]
+    assert 0 < eagle["accepted"] <= eagle["drafted"] and eagle["tau"] > 1.0
+    assert eagle["tokens"] == rows[PLAIN]["tokens"] == 2 * 2 * 12  # no EOS in a random target's 12 tokens
+
+
+def test_the_script_names_the_build_command_when_there_is_none(tmp_path, monkeypatch, capsys):
+    from conftest import load_script
+
+    monkeypatch.setenv("DRAFTERS_LLAMA_CPP", str(tmp_path / "nowhere"))
+    script = load_script("eval/llama_cpp.py")
+    assert script.main(["--target", "tiny-random-llama", "--weights", "f32", "--limit", "1"]) == 1
+    assert "bash .ci/llama-cpp" in capsys.readouterr().err

@@ -7,7 +7,10 @@
 2. train: an EAGLE-3 drafter on those conversations (recipes/eagle3_quickstart.yaml, ~15 minutes);
 3. export: SGLang and vLLM formats, each reloaded and checked by the independent reader;
 4. measure: tau and speedup over plain `generate` on the first MT-bench questions, for the
-   EAGLE-3 drafter (EAGLE-2 dynamic tree) next to the untrained baseline (prompt lookup).
+   EAGLE-3 drafter (EAGLE-2 dynamic tree) next to the untrained baseline (prompt lookup);
+5. serve it with llama.cpp (eval/llama_cpp.py; needs the build .ci/setup makes): the drafter exported as GGUF
+   and served next to the target's F32 GGUF, plain decoding and llama.cpp's ngram-simple, on the same prompts;
+   llama.cpp's own tokens/s, speedup and acceptance, and its accepted count next to our decoder's on the same ids.
 
 Each step is the project's own entry script run as a subprocess, so this file is only the
 sequence; run any step alone with the command it prints. Steps whose output already exists are
@@ -20,6 +23,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from drafters.engines import llama_cpp
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "smollm2-135m-instruct"
@@ -70,7 +75,17 @@ def main(argv=None) -> None:
               "--temperature", "0", "--limit", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
               "--json", str(report)])
         results[name] = (tree, json.loads((ROOT / report).read_text()))
+    engine = out / "llama-cpp.json"
+    if llama_cpp.available():
+        step("5/5 serve it with llama.cpp (F32 target, chain of 3): speed and acceptance as llama.cpp counts them",
+             ["eval/llama_cpp.py", "--target", TARGET, "--weights", "f32", "--drafter", f"{checkpoint}@3",
+              "--ngram", "ngram-simple", "--limit", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
+              "--repeats", "2", "--exports", str(out / "llama.cpp"), "--json", str(engine)])
+    else:
+        print(f"\n== 5/5 skipped: no llama.cpp build ({llama_cpp.BUILD_COMMAND} makes one; .ci/setup runs it)")
     print_summary(results, args.questions)
+    if (ROOT / engine).is_file() and llama_cpp.available():
+        print_engine_summary(json.loads((ROOT / engine).read_text()))
 
 
 def print_summary(results: dict, questions: int) -> None:
@@ -81,6 +96,20 @@ def print_summary(results: dict, questions: int) -> None:
         check = r["greedy_check"]
         ok = f"{check['checked'] - check['mismatches']}/{check['checked']}"
         print(f"{name:<15} {f'{tree} ({budget})':<36} {r['tau']:>6.2f} {r['speedup']:>7.2f}x {ok:>19}")
+
+
+def print_engine_summary(r: dict) -> None:
+    print(f"\n== the same drafter in llama.cpp ({r['weights']} target GGUF, {r['prompts']} prompts, turn 1, "
+          f"{r['threads']} thread, speed: median of {r['repeats']} A B runs)")
+    print(f"{'mode':<24} {'tok/s':>7} {'speedup':>8} {'accepted/drafted':>17} {'tau':>5}")
+    for row in r["rows"]:
+        acc = "-" if row["acceptance"] is None else f"{row['accepted']}/{row['drafted']}"
+        print(f"{row['mode']:<24} {row['tokens_per_s']:>7.1f} {row['speedup']:>7.2f}x {acc:>17} {row['tau']:>5.2f}")
+    for name, ref in r["referee"].items():
+        if "skipped" not in ref:
+            print(f"same ids, exact float32, {name}: accepted by our decoder {ref['ours_accepted']}, by llama.cpp "
+                  f"{ref['engine_accepted']}, over {ref['shared_tokens']} tokens of shared greedy text "
+                  f"({ref['identical_text']}/{ref['prompts']} prompts with identical text)")
 
 
 if __name__ == "__main__":
