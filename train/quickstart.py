@@ -56,21 +56,21 @@ def main(argv=None) -> None:
     regenerated, run_dir = out / "regenerated.jsonl", out / "eagle3"
     checkpoint = run_dir / "checkpoint-final"
 
-    step("1/4 regenerate the training conversations with the target",
+    step("1/5 regenerate the training conversations with the target",
          ["train/regenerate.py", "recipes/regenerate_quickstart.yaml", f"output={regenerated}"])
     if not (ROOT / checkpoint).is_dir():
-        step("2/4 train the EAGLE-3 drafter",
+        step("2/5 train the EAGLE-3 drafter",
              ["train/eagle.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}",
               "resume_from=latest"])  # an interrupted run continues from the checkpoint its Ctrl-C saved
     for fmt in ("sglang", "vllm"):
-        step(f"3/4 export ({fmt}) and validate",
+        step(f"3/5 export ({fmt}) and validate",
              ["eval/export.py", str(checkpoint), "--format", fmt, "--out", str(out / f"export-{fmt}"),
               "--target", TARGET, "--overwrite"])
     results = {}
     for name, proposer, tree in (("EAGLE-3", str(checkpoint), EAGLE_TREE),
                                  ("prompt lookup", "prompt-lookup", BASELINE_TREE)):
         report = out / f"tau-{name.replace(' ', '-').lower()}.json"
-        step(f"4/4 tau and speedup: {name}",
+        step(f"4/5 tau and speedup: {name}",
              ["eval/tau.py", "--target", TARGET, "--proposer", proposer, "--tree", tree, "--bench", "mt_bench",
               "--temperature", "0", "--limit", str(args.questions), "--max-new-tokens", str(args.max_new_tokens),
               "--json", str(report)])
