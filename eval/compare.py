@@ -60,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--max-turns", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-speed", action="store_true", help="skip generate in the main runs (tau only)")
+    p.add_argument("--engine", action="append", default=[],
+                   help="an eval/llama_cpp.py --json report: its rows, measured by llama.cpp itself, join the report "
+                        "(repeat the option; the target must be --target's)")
     p.add_argument("--out", required=True, help="report directory")
     args = p.parse_args(argv)
     args.benches = [b for b in args.bench.split(",") if b]
@@ -68,7 +71,7 @@ def parse_args(argv):
         args.temperatures = [float(t) for t in args.temperature.split(",") if t]
     except ValueError:
         p.error(f"--temperature {args.temperature!r}: expected comma-separated numbers, e.g. 0,1")
-    if not args.drafters and not args.baseline_specs:
+    if not args.drafters and not args.baseline_specs and not args.engine:
         p.error("nothing to compare: give --drafters and/or --baselines")
     if args.no_speed and (len(args.temperatures) > 1 or args.temperatures[0] > 0):
         p.error("--no-speed works at temperature 0 only")
@@ -99,9 +102,21 @@ def main(argv=None) -> Path:
                 "speedup = speculative tokens/s over plain `generate` tokens/s, same process, batch 1"]
     settings += [f"{entry.label}: {note}" for entry in entries  # defaults applied to another tool's files
                  for note in dict.fromkeys(n for r in entry.runs for n in r.get("proposer_notes", []))]
-    index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings)
+    engines = [read_engine_report(path, target.name) for path in args.engine]
+    index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings, engines=engines)
     print(f"compare: wrote {index}")
     return index
+
+
+def read_engine_report(path: str, target_name: str) -> dict:
+    try:
+        report = json.loads(Path(path).read_text())
+        rows, target = report["rows"], report["target"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"--engine {path}: not a report of eval/llama_cpp.py --json ({err})") from None
+    if target != target_name:
+        raise SystemExit(f"--engine {path} was measured on {target!r}, not on --target {target_name!r}")
+    return report
 
 
 def checkpoint_entry(directory: str, tree: str = "") -> Entry:

@@ -108,3 +108,23 @@ def test_a_tree_a_drafter_cannot_draft_is_refused_before_anything_runs(tmp_path)
         compare.main(["--target", "tiny-random-llama", "--drafters", str(heads / "checkpoint-final"),
                       "--bench", BENCH, "--tree", "chain:2", "--sweep", "chain:5", "--out", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
+
+
+def test_engine_rows_join_the_report_and_another_targets_are_refused(tmp_path):
+    # an eval/llama_cpp.py --json report (its schema, with two modes) joins the table as llama.cpp measured it
+    row = {"mode": "plain", "n_max": None, "tokens_per_s": 96.1, "speedup": 1.0, "acceptance": None, "accepted": 0,
+           "drafted": 0, "tau": 1.0}
+    eagle = {**row, "mode": "eagle3 ckpt x3", "n_max": 3, "tokens_per_s": 23.6, "speedup": 0.25, "acceptance": 0.05,
+             "accepted": 8, "drafted": 153, "tau": 1.14}
+    report = {"target": "tiny-random-llama", "weights": "f32", "rows": [row, eagle],
+              "referee": {"eagle3 ckpt x3": {"ours_accepted": 3, "engine_accepted": 3}}}
+    (tmp_path / "engine.json").write_text(json.dumps(report))
+    index = compare.main(["--target", "tiny-random-llama", "--engine", str(tmp_path / "engine.json"),
+                          "--out", str(tmp_path / "report")])
+    text = index.read_text()
+    assert "| f32 | eagle3 ckpt x3 | 3 | 23.6 | 0.25x | 8 / 153 | 1.14 | 3 / 3 |" in text
+    assert "| f32 | plain | - | 96.1 | 1.00x | - | 1.00 | - |" in text
+    (tmp_path / "other.json").write_text(json.dumps({**report, "target": "smollm2-135m-instruct"}))
+    with pytest.raises(SystemExit, match="measured on 'smollm2-135m-instruct'"):
+        compare.main(["--target", "tiny-random-llama", "--engine", str(tmp_path / "other.json"),
+                      "--out", str(tmp_path / "report2")])

@@ -55,7 +55,7 @@ def bench_name(report: dict) -> str:
         else report["bench"]
 
 
-def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[str]) -> Path:
+def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[str], engines: list[dict] = ()) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     images = []
     groups = sorted({(bench_name(r), r["sampling"]["temperature"]) for e in entries for r in e.runs})
@@ -71,14 +71,14 @@ def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[st
     if any(e.metrics for e in entries):
         images.append(plot_training(entries, out_dir / "training_curves.png"))
     index = out_dir / "index.md"
-    index.write_text(markdown(entries, images, title, settings))
+    index.write_text(markdown(entries, images, title, settings, engines))
     return index
 
 
 # ---------------------------------------------------------------- table
 
 
-def markdown(entries: list[Entry], images: list[Path], title: str, settings: list[str]) -> str:
+def markdown(entries: list[Entry], images: list[Path], title: str, settings: list[str], engines=()) -> str:
     lines = [f"# {title}", "", *[f"- {s}" for s in settings], "", "## Results", "",
              "| drafter | family | bench | T | tree (draft nodes) | tau | speedup | acceptance d1..d4 | training |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -98,10 +98,31 @@ def markdown(entries: list[Entry], images: list[Path], title: str, settings: lis
                 speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
                 lines.append(f"| {e.label} | `{r['tree']}` | {r['tree_budget']['draft_nodes_excl_root']} | "
                              f"{r['tau']:.3f} | {speedup} |")
+    lines += engine_markdown(engines)
     lines += ["", "## Plots", ""]
     for image in images:
         lines += [f"![{image.stem}]({image.name})", ""]
     return "\n".join(lines)
+
+
+def engine_markdown(reports) -> list[str]:
+    """eval/llama_cpp.py reports as rows measured by the serving engine itself: its tokens/s, speedup over its
+    own plain decoding (A B runs), its acceptance counters, and the referee's accepted counts on the same ids."""
+    if not reports:
+        return []
+    lines = ["", "## Measured by llama.cpp", "",
+             "Greedy, turn 1, batch 1; tokens/s and speedup from llama.cpp's own decode timers (median of A B runs), "
+             "tau = tokens / target passes; referee: accepted drafts over the shared greedy text, exact float32.", "",
+             "| target GGUF | mode | draft length | tok/s | speedup | accepted / drafted | tau | referee: ours / llama.cpp |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        for row in r["rows"]:
+            ref = r.get("referee", {}).get(row["mode"], {})
+            referee = f"{ref['ours_accepted']} / {ref['engine_accepted']}" if "ours_accepted" in ref else "-"
+            acc = "-" if row["acceptance"] is None else f"{row['accepted']} / {row['drafted']}"
+            lines.append(f"| {r['weights']} | {row['mode']} | {row['n_max'] or '-'} | {row['tokens_per_s']:.1f} | "
+                         f"{row['speedup']:.2f}x | {acc} | {row['tau']:.2f} | {referee} |")
+    return lines
 
 
 def training_cell(training: dict | None) -> str:
