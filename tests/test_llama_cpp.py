@@ -143,12 +143,16 @@ def checkpoint(path, family, drafter, target):
     return path
 
 
+def trained_drafters(target, root, steps) -> dict:
+    # both families, trained on the target's own continuations, as checkpoints under root
+    rows = continuations(target)
+    return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(target, rows, steps), target),
+            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(target, rows, steps), target)}
+
+
 @pytest.fixture(scope="module")
 def drafters_for_tiny(tiny, tmp_path_factory):
-    rows = continuations(tiny)
-    root = tmp_path_factory.mktemp("tiny-drafters")
-    return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(tiny, rows, 150), tiny),
-            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(tiny, rows, 150), tiny)}
+    return trained_drafters(tiny, tmp_path_factory.mktemp("tiny-drafters"), 150)
 
 
 def export(ckpt, target, out, dtype="f32"):
@@ -261,10 +265,7 @@ def test_a_drafter_for_another_target_is_refused_before_running(tiny, drafters_f
 
 @pytest.fixture(scope="module")
 def drafters_for_smollm2(smollm2, tmp_path_factory):
-    rows = continuations(smollm2)
-    root = tmp_path_factory.mktemp("smollm2-drafters")
-    return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(smollm2, rows, 120), smollm2),
-            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(smollm2, rows, 120), smollm2)}
+    return trained_drafters(smollm2, tmp_path_factory.mktemp("smollm2-drafters"), 120)
 
 
 @pytest.mark.parametrize("family", ["eagle3", "dflash"])
