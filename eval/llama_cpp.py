@@ -54,6 +54,8 @@ def parse_args(argv):
     p.add_argument("--exports", default="outputs/llama.cpp", help="where checkpoints are exported for llama.cpp")
     p.add_argument("--no-referee", action="store_true", help="skip the comparison with our decoder")
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--print-target-gguf", action="store_true",
+                   help="only make (convert and cache, for f32 / f16 / q8_0) the target's GGUF and print its path")
     return p.parse_args(argv)
 
 
@@ -69,6 +71,9 @@ def main(argv=None) -> int:
 def run(args) -> int:
     target = load_target(args.target)
     target_file = target_gguf(target, args.weights)
+    if args.print_target_gguf:
+        print(target_file)
+        return 0
     print(f"target: {target.name} as {target_file} ({args.weights})")
     drafters = [prepare_drafter(spec, target, target_file, args) for spec in args.drafter]
     modes = [Mode(PLAIN)] + [d["mode"] for d in drafters]

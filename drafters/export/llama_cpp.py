@@ -114,7 +114,8 @@ def export_llama_cpp(ckpt_dir, out_dir, *, target, export_checkpoint, dtype: str
         report = check_gguf(payload / name, ckpt, outtype)
         manifest = {"family": ckpt.family, "drafter": name, "outtype": outtype,
                     "spec_type": SPEC_TYPES[ckpt.family], "draft_n_max": draft_n_max(ckpt.family, ckpt.config),
-                    "target": target.name, "target_layers": list(report.facts.target_layers),
+                    "target": target.name, "target_gguf": _shipped(target.name),
+                    "target_layers": list(report.facts.target_layers),
                     "vocab_size": report.facts.vocab_size, "intermediate_layout": intermediate}
         (payload / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         return report
@@ -123,6 +124,13 @@ def export_llama_cpp(ckpt_dir, out_dir, *, target, export_checkpoint, dtype: str
     report.path = out_dir / name
     return ExportResult(path=out_dir, fmt="llama.cpp", dtype=outtype, files=exported_files(out_dir),
                         config=json.loads((out_dir / MANIFEST).read_text()), check=report)
+
+
+def _shipped(name: str) -> str | None:
+    # the GGUF file the target was loaded from, to serve the drafter next to (None: convert one with
+    # `eval/llama_cpp.py --target NAME --weights f32 --print-target-gguf`)
+    path = source_gguf(name)
+    return None if path is None else str(path)
 
 
 def draft_n_max(family: str, config: dict) -> int:
