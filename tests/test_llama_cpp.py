@@ -306,3 +306,43 @@ def test_the_script_names_the_build_command_when_there_is_none(tmp_path, monkeyp
     script = load_script("eval/llama_cpp.py")
     assert script.main(["--target", "tiny-random-llama", "--weights", "f32", "--limit", "1"]) == 1
     assert "bash .ci/llama-cpp" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the server's lifecycle
+
+
+def test_the_server_is_stopped_on_error_and_a_bad_model_says_why(tiny, cache, tmp_path):
+    target_file = target_gguf(tiny, "f32", cache_dir=cache)
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with LlamaServer(target_file) as server:
+            process = server.process
+            assert server.complete(prompts(tiny)[0], 2).tokens
+            raise RuntimeError("inside the block")
+    assert process.poll() is not None  # stopped, not orphaned
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(LlamaCppError, match="exited with status"):
+        with LlamaServer(tmp_path / "bad.gguf", ready_timeout=60):
+            pass
+
+
+def test_the_server_dies_with_the_process_that_started_it(tiny, cache, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target_file = target_gguf(tiny, "f32", cache_dir=cache)
+    code = ("import sys, time; from drafters.engines.llama_cpp import LlamaServer\n"
+            f"s = LlamaServer({str(target_file)!r}).__enter__(); print(s.process.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)  # no __exit__, no finally: only the kernel can stop the server now
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"llama-server {pid} outlived the process that started it")

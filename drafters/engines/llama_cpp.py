@@ -160,6 +160,14 @@ class Completion:
         return len(self.tokens) / max(self.predicted_ms, 1e-9) * 1000
 
 
+def _die_with_parent() -> None:
+    # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL (no orphan)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,7 +218,8 @@ class LlamaServer:
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         try:
             self._wait_ready()
         except BaseException:
