@@ -143,16 +143,16 @@ def checkpoint(path, family, drafter, target):
     return path
 
 
-def trained_drafters(target, root, steps) -> dict:
+def trained_drafters(target, root, steps, dflash_steps) -> dict:
     # both families, trained on the target's own continuations, as checkpoints under root
     rows = continuations(target)
     return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(target, rows, steps), target),
-            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(target, rows, steps), target)}
+            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(target, rows, dflash_steps), target)}
 
 
 @pytest.fixture(scope="module")
 def drafters_for_tiny(tiny, tmp_path_factory):
-    return trained_drafters(tiny, tmp_path_factory.mktemp("tiny-drafters"), 150)
+    return trained_drafters(tiny, tmp_path_factory.mktemp("tiny-drafters"), 150, 150)
 
 
 def export(ckpt, target, out, dtype="f32"):
@@ -252,12 +252,11 @@ def test_converter_failure_shows_its_message(tmp_path):
         llama_cpp.convert(tmp_path / "model", tmp_path / "x.gguf", outtype="f32")
 
 
-def test_a_drafter_for_another_target_is_refused_before_running(tiny, drafters_for_tiny, cache, tmp_path):
-    export(drafters_for_tiny["eagle3"], tiny, tmp_path / "gguf")
-    other = target_gguf(Target(LlamaForCausalLM(LlamaConfig(**{**tiny.config.to_dict(), "num_hidden_layers": 4})),
-                               tiny.tokenizer, "four-layers"), "f32", cache_dir=cache)
-    with pytest.raises(LlamaCppError, match="target has 4 layers"):
-        check_pair(other, tmp_path / "gguf" / "drafter-f32.gguf")
+def test_a_drafter_for_another_target_is_refused_before_running(smollm2, drafters_for_smollm2, tiny, cache, tmp_path):
+    # SmolLM2's drafter reads the inputs of layers [2, 15, 27] of a 576-wide target: the tiny one has 8 of 64
+    export(drafters_for_smollm2["eagle3"], smollm2, tmp_path / "gguf")
+    with pytest.raises(LlamaCppError, match=r"(?s)layers \[2, 15, 27\], but the target has 8 layers.*hidden size"):
+        check_pair(target_gguf(tiny, "f32", cache_dir=cache), tmp_path / "gguf" / "drafter-f32.gguf")
 
 
 # ---------------------------------------------------------------- SmolLM2: the shipped Q4_1 file and F32
@@ -265,7 +264,8 @@ def test_a_drafter_for_another_target_is_refused_before_running(tiny, drafters_f
 
 @pytest.fixture(scope="module")
 def drafters_for_smollm2(smollm2, tmp_path_factory):
-    return trained_drafters(smollm2, tmp_path_factory.mktemp("smollm2-drafters"), 120)
+    # DFlash's one layer memorises SmolLM2's text slower than EAGLE-3 (120 steps: 0-4 accepted of ~230 drafted)
+    return trained_drafters(smollm2, tmp_path_factory.mktemp("smollm2-drafters"), 120, 240)
 
 
 @pytest.mark.parametrize("family", ["eagle3", "dflash"])
