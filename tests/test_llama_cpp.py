@@ -289,8 +289,11 @@ def test_engine_bench_alternates_modes_and_counts_what_llama_cpp_counts(tiny, dr
     target_file = target_gguf(tiny, "f32", cache_dir=cache)
     export(drafters_for_tiny["eagle3"], tiny, tmp_path / "gguf")
     modes = [Mode(PLAIN), Mode("eagle3", "draft-eagle3", tmp_path / "gguf" / "drafter-f32.gguf", 3),
-             Mode("ngram-simple", "ngram-simple")]
+             Mode("ngram-mod", "ngram-mod")]
     results = run_modes(target_file, modes, prompts(tiny)[:2], 12, repeats=2, progress=lambda _: None)
+    for m in modes:  # fresh servers per repeat: no mode remembers the first repeat's texts in the second
+        counts = [[(c.tokens, c.draft_n, c.draft_accepted) for c in run] for run in results[m.name].runs]
+        assert counts[0] == counts[1], m.name
     rows = {r["mode"]: r for r in summarize(results)}
     assert all(len(results[m.name].runs) == 2 and len(results[m.name].runs[0]) == 2 for m in modes)
     assert rows[PLAIN]["speedup_runs"] == [1.0, 1.0] and rows[PLAIN]["drafted"] == 0 and rows[PLAIN]["tau"] == 1.0
