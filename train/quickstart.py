@@ -101,10 +101,10 @@ def print_summary(results: dict, questions: int) -> None:
 def print_engine_summary(r: dict) -> None:
     print(f"\n== the same drafter in llama.cpp ({r['weights']} target GGUF, {r['prompts']} prompts, turn 1, "
           f"{r['threads']} thread, speed: median of {r['repeats']} A B runs)")
-    print(f"{'mode':<24} {'tok/s':>7} {'speedup':>8} {'accepted/drafted':>17} {'tau':>5}")
+    print(f"{'mode':<30} {'tok/s':>7} {'speedup':>8} {'accepted/drafted':>17} {'tau':>5}")
     for row in r["rows"]:
         acc = "-" if row["acceptance"] is None else f"{row['accepted']}/{row['drafted']}"
-        print(f"{row['mode']:<24} {row['tokens_per_s']:>7.1f} {row['speedup']:>7.2f}x {acc:>17} {row['tau']:>5.2f}")
+        print(f"{row['mode']:<30} {row['tokens_per_s']:>7.1f} {row['speedup']:>7.2f}x {acc:>17} {row['tau']:>5.2f}")
     for name, ref in r["referee"].items():
         if "skipped" not in ref:
             print(f"same ids, exact float32, {name}: accepted by our decoder {ref['ours_accepted']}, by llama.cpp "
