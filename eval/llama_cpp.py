@@ -131,8 +131,8 @@ def plain_partings(target, prompts, plain, other) -> list[dict]:
     for i, (prompt, p, o) in enumerate(zip(prompts, plain, other)):
         where = parting(target, prompt, p.tokens, o.tokens)
         if where is not None:
-            out.append({"prompt": i, "at": where.at, "tokens": where.tokens, "top2": where.top2,
-                        "relative_margin": round(where.relative_margin, 5)})
+            out.append({"prompt": i, "at": where.at, "tokens": where.tokens, "ranks": where.ranks,
+                        "relative_gap": round(where.relative_gap, 6)})
     return out
 
 

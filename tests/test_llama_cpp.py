@@ -44,8 +44,8 @@ pytestmark = [pytest.mark.llama_cpp, pytest.mark.real]
 QUESTIONS = ["Hello there, how are you?", "Write a haiku about the sea.", "What is 12 times 7?",
              "Name three colours.", "Tell me a story about a fox.", "How do I sort a list in Python?"]
 NEW, BLOCK = 24, 5
-# How far two greedy runs of the same weights may part: only at a near-tie of the target's top two logits,
-# relative margin |l_a - l_b| / |l| below what the arithmetic can move. F32 in both engines: the same products
+# How far two greedy runs of the same weights may part: only at a near-tie, both tokens' logits within a relative
+# gap (top - l) / |top| of the target's top logit that the arithmetic can move. F32 in both engines: the same products
 # summed in another order, ~1e-6 relative per sum over 576-wide dot products, so 1e-4 is generous. The Q4_1
 # file: llama.cpp quantises activations to 8 bits (q8_1, error up to max|x| / 254 per element) and its one-token
 # and many-token paths quantise and accumulate differently, so verifying a draft is not bit-identical to a
