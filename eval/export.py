@@ -29,11 +29,11 @@ from drafters.checkpoint import CheckpointError
 from drafters.export.common import EXPORT_DTYPE_SPELLINGS, ExportError, describe
 from drafters.export.dispatch import FORMATS, export_checkpoint
 from drafters.export.check import ExportCheckError
-from drafters.engines.llama_cpp import LlamaCppError
+from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError
 from drafters.targets import TargetError, load_target
 
 
-LLAMA_CPP_ONLY = ("f32", "f16", "q8_0")  # GGUF types (--format llama.cpp)
+LLAMA_CPP_ONLY = OUTTYPES  # GGUF types (--format llama.cpp)
 
 
 def parse_args(argv):

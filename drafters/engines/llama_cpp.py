@@ -55,8 +55,8 @@ def tool(name: str) -> Path:
 
 
 def available() -> bool:
-    return all((build_dir() / "bin" / t).is_file() for t in ("llama-server", "llama-speculative-simple")) \
-        and (build_dir() / "src" / "convert_hf_to_gguf.py").is_file()
+    """The build the project drives is there: llama-server and the converter."""
+    return (build_dir() / "bin" / "llama-server").is_file() and (build_dir() / "src" / "convert_hf_to_gguf.py").is_file()
 
 
 # ---- the converter ------------------------------------------------------------------------------

@@ -66,10 +66,7 @@ def refusals(family: str, config: dict, target) -> list[str]:
         problems.append(f"llama.cpp has no {family} speculator: it serves EAGLE-3 and DFlash drafters "
                         "(--spec-type draft-eagle3 / draft-dflash); export this checkpoint with --format native")
         return problems
-    model_type = str(getattr(target.config, "model_type", ""))
-    if model_type.startswith("gemma3"):
-        problems.append(f"the target is Gemma-3 ({model_type}): llama.cpp's Gemma-3 graph never captures the "
-                        "layer inputs an EAGLE-3 or DFlash drafter reads, so it cannot serve one on this target")
+    problems += _gemma3(target)
     act = config.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act {act!r}: llama.cpp's {family} graph always applies SiLU in the MLP, so it "
@@ -79,6 +76,14 @@ def refusals(family: str, config: dict, target) -> list[str]:
                         f"{config.get('vocab_size')}): llama.cpp's DFlash converter has no draft-to-target id "
                         "mapping; train with draft_vocab_size equal to the target's vocabulary")
     return problems
+
+
+def _gemma3(target) -> list[str]:
+    model_type = str(getattr(target.config, "model_type", ""))
+    if not model_type.startswith("gemma3"):
+        return []
+    return [f"the target is Gemma-3 ({model_type}): llama.cpp's Gemma-3 graph never captures the layer inputs an "
+            "EAGLE-3 or DFlash drafter reads, so it cannot serve one on this target"]
 
 
 def export_llama_cpp(ckpt_dir, out_dir, *, target, export_checkpoint, dtype: str = "f32",
@@ -192,10 +197,8 @@ def target_gguf(target, weights: str = "shipped", cache_dir: str | None = None) 
             raise LlamaCppError(f"target {target.name!r} was not loaded from a GGUF file: choose its weights for "
                                 f"llama.cpp, one of {', '.join(OUTTYPES)} (converted by llama.cpp's converter)")
         return path
-    model_type = str(getattr(target.config, "model_type", ""))
-    if model_type.startswith("gemma3"):
-        raise LlamaCppError("a Gemma-3 target cannot serve EAGLE-3 or DFlash drafters in llama.cpp (its graph "
-                            "never captures layer inputs); nothing to convert it for")
+    if _gemma3(target):
+        raise LlamaCppError(_gemma3(target)[0] + "; nothing to convert it for")
     out = cache_root(cache_dir) / "llama.cpp" / f"{_slug(target.name)}-{_weights_sha(target)[:12]}-{weights}.gguf"
     if out.is_file():
         return out
