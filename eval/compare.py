@@ -103,6 +103,8 @@ def main(argv=None) -> Path:
     settings += [f"{entry.label}: {note}" for entry in entries  # defaults applied to another tool's files
                  for note in dict.fromkeys(n for r in entry.runs for n in r.get("proposer_notes", []))]
     engines = [read_engine_report(path, target.name) for path in args.engine]
+    if not entries:  # engine rows only: none of our decoder's settings apply
+        settings = [f"target: `{args.target}`"]
     index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings, engines=engines)
     print(f"compare: wrote {index}")
     return index

@@ -79,6 +79,8 @@ def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[st
 
 
 def markdown(entries: list[Entry], images: list[Path], title: str, settings: list[str], engines=()) -> str:
+    if not entries:  # only rows measured by an engine
+        return "\n".join([f"# {title}", "", *[f"- {s}" for s in settings], *engine_markdown(engines), ""])
     lines = [f"# {title}", "", *[f"- {s}" for s in settings], "", "## Results", "",
              "| drafter | family | bench | T | tree (draft nodes) | tau | speedup | acceptance d1..d4 | training |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -113,6 +115,8 @@ def engine_markdown(reports) -> list[str]:
     lines = ["", "## Measured by llama.cpp", "",
              "Greedy, turn 1, batch 1; tokens/s and speedup from llama.cpp's own decode timers (median of A B runs), "
              "tau = tokens / target passes; referee: accepted drafts over the shared greedy text, exact float32.", "",
+             *[f"- {r['weights']}: {r['prompts']} prompts of {r['bench']}, {r['max_new_tokens']} new tokens, "
+               f"{r['threads']} thread(s), {r['repeats']} repeats" for r in reports if "bench" in r], "",
              "| target GGUF | mode | draft length | tok/s | speedup | accepted / drafted | tau | referee: ours / llama.cpp |",
              "|---|---|---|---|---|---|---|---|"]
     for r in reports:
