@@ -151,14 +151,6 @@ class Completion:
     draft_n: int  # tokens drafted (llama.cpp's counter; 0 without a speculator)
     draft_accepted: int
 
-    @property
-    def rounds(self) -> int:  # target verification passes: every pass emits accepted + 1 tokens
-        return len(self.tokens) - self.draft_accepted
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / max(self.predicted_ms, 1e-9) * 1000
-
 
 def _die_with_parent() -> None:
     # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL (no orphan)
@@ -276,9 +268,6 @@ class LlamaServer:
         return Completion(tokens=[int(t) for t in out.get("tokens", [])],
                           predicted_ms=float(timings.get("predicted_ms", 0.0)),
                           draft_n=int(timings.get("draft_n", 0)), draft_accepted=int(timings.get("draft_n_accepted", 0)))
-
-    def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in self.post("/tokenize", {"content": text, "add_special": False})["tokens"]]
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -42,7 +42,6 @@ from drafters.export.common import ExportError, ExportResult, check_out_dir, exp
 
 MANIFEST = "llama-cpp.json"
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
-ARCHITECTURES = {"eagle3": "eagle3", "dflash": "dflash"}  # general.architecture the converter writes
 
 
 @dataclass
@@ -156,7 +155,8 @@ def check_gguf(path: Path, ckpt, outtype: str) -> GGUFCheck:
     """Read the converted drafter back: what llama.cpp will capture and draft over must be the checkpoint's."""
     facts = gguf_facts(path)
     c = ckpt.config
-    expected = {"architecture": ARCHITECTURES[ckpt.family], "target_layers": tuple(c["aux_layers"]),
+    # general.architecture the converter writes is the family's name: eagle3 / dflash
+    expected = {"architecture": ckpt.family, "target_layers": tuple(c["aux_layers"]),
                 "vocab_size": c["vocab_size"], "embedding_length": c["hidden_size"]}
     wrong = [f"{k}: GGUF {getattr(facts, k)!r}, checkpoint {v!r}" for k, v in expected.items()
              if getattr(facts, k) != v]
