@@ -170,7 +170,8 @@ class LlamaServer:
     """`with LlamaServer(model, draft=..., spec_type="draft-eagle3", n_max=3) as server:` a llama-server
     on a free loopback port, ready when the block starts and stopped when it ends (its whole process
     group, also on error and Ctrl-C). Requests take and return token ids, so both engines read the
-    same input. spec_type: None (plain), draft-eagle3, draft-dflash, ngram-simple, ngram-mod, ...
+    same input. `slots` requests are decoded in parallel, batched into one forward per step; `alias` is the
+    model name it serves (/v1/models). spec_type: None (plain), draft-eagle3, draft-dflash, ngram-simple, ngram-mod, ...
 
     exact=True keeps every intermediate in float32 (KV caches of target and drafter in f32, flash
     attention off): llama.cpp's defaults store K and V in f16, which moves a random wide-logit target's
@@ -179,17 +180,19 @@ class LlamaServer:
     """
 
     def __init__(self, model, *, draft=None, spec_type: str | None = None, n_max: int | None = None,
-                 threads: int = 1, ctx: int = 4096, exact: bool = False, extra: tuple = (),
-                 ready_timeout: float = 180):
+                 threads: int = 1, ctx: int = 4096, slots: int = 1, alias: str | None = None,
+                 exact: bool = False, extra: tuple = (), ready_timeout: float = 180):
         self.model, self.draft, self.spec_type, self.n_max = Path(model), draft, spec_type, n_max
-        self.exact = exact
+        self.exact, self.slots, self.alias = exact, slots, alias
         self.threads, self.ctx, self.extra, self.ready_timeout = threads, ctx, tuple(extra), ready_timeout
         self.process, self.port, self.log = None, None, None
 
     def command(self) -> list[str]:
         command = [str(tool("llama-server")), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-                   "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.ctx), "-np", "1",
-                   "--no-webui", "--metrics"]
+                   "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.ctx), "-np", str(self.slots),
+                   "--no-webui", "--metrics"]  # -c is shared: each of the `slots` parallel requests gets ctx/slots
+        if self.alias is not None:
+            command += ["--alias", self.alias]  # the model name /v1/models reports
         if self.draft is not None:
             command += ["--spec-draft-model", str(self.draft), "--spec-draft-threads", str(self.threads),
                         "--spec-draft-threads-batch", str(self.threads)]
@@ -240,6 +243,9 @@ class LlamaServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def log_tail(self, lines: int = 15) -> str:
         if self.log is None:
