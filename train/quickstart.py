@@ -3,7 +3,8 @@
     python train/quickstart.py [--out outputs/quickstart] [--questions 3] [--max-new-tokens 128]
 
 1. regenerate: SmolLM2-135M-Instruct answers the project's own 320 prompts
-   (recipes/regenerate_quickstart.yaml; resumable, about 10 minutes on 2 cores);
+   (recipes/regenerate_quickstart.yaml; resumable): through a llama-server it starts on the target's shipped
+   GGUF when the llama.cpp build is there (.ci/setup makes it), else in-process with `generate`;
 2. train: an EAGLE-3 drafter on those conversations (recipes/eagle3_quickstart.yaml, ~15 minutes);
 3. export: SGLang and vLLM formats, each reloaded and checked by the independent reader;
 4. measure: tau and speedup over plain `generate` on the first MT-bench questions, for the
@@ -22,6 +23,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from drafters.engines import llama_cpp
@@ -37,6 +39,7 @@ BASELINE_TREE = "chain:4"
 def step(title: str, args: list[str]) -> None:
     command = [sys.executable, *args]
     print(f"\n== {title}\n$ {shlex.join(['python', *args])}", flush=True)
+    start = time.monotonic()
     with subprocess.Popen(command, cwd=ROOT) as child:
         try:
             code = child.wait()
@@ -44,6 +47,7 @@ def step(title: str, args: list[str]) -> None:
             code = child.wait()
     if code != 0:
         raise SystemExit(f"{title}: exited with status {code}; re-run train/quickstart.py to continue where it stopped")
+    print(f"== {title}: done in {time.monotonic() - start:.0f} s", flush=True)
 
 
 def main(argv=None) -> None:

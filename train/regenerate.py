@@ -22,9 +22,9 @@ Where the replies come from (`engine`):
   server must serve the target: by name (/v1/models) and by a probe (its greedy replies to three
   fixed prompts, scored token by token against the in-process target's argmax).
 - `llama-server`: starts the project's llama.cpp build (`bash .ci/llama-cpp`) on a free loopback
-  port with `concurrency` slots, serving the target's GGUF (`gguf`: the shipped file it loads from,
-  or llama.cpp's conversion of its weights), then as `server`; stopped at the end, on error and on
-  Ctrl-C.
+  port with `concurrency` slots, serving the target's GGUF (`gguf`: llama.cpp's F32 conversion of
+  the weights trained against by default, cached; or the shipped file, f16, q8_0, a path), then as
+  `server`; stopped at the end, on error and on Ctrl-C.
 - `in-process`: Hugging Face `generate`, batched with left padding (`batch_size`).
 - `auto` (default): `server` when a url is given, else `llama-server` when the build exists, else
   `in-process` (it says so).
@@ -52,7 +52,7 @@ from drafters.engines.openai_api import OpenAIServer, RowFailure, ServerError, w
 from drafters.export.llama_cpp import TARGET_WEIGHTS, target_gguf
 from drafters.training.data import DataError, RowError, load_conversations, render
 from drafters.training.recipe import RecipeError, load_recipe, run_main
-from drafters.targets import load_target, source_gguf
+from drafters.targets import load_target
 
 PROBE_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
                    "Explain recursion in one sentence.")
@@ -71,6 +71,7 @@ class Recipe:
     max_prompt_length: int = 2048  # tokens; a longer prompt ends its conversation there
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    report: str | None = None  # also write this run's counts and tokens/s here as JSON
     seed: int = 0  # server: conversation c's turn k is sampled with seed + k + a hash of c's id
     engine: Literal["auto", "server", "llama-server", "in-process"] = "auto"  # see the module docstring
     # a server (engine=server, or llama-server started here)
@@ -84,7 +85,7 @@ class Recipe:
     request_timeout: float = 300  # seconds per request
     probe_agreement: float = 0.6  # the least fraction of the probe's tokens that must be the target's argmax
     # the local llama-server (engine=llama-server)
-    gguf: str = "auto"  # shipped / f32 / f16 / q8_0 / PATH.gguf; auto: shipped if the target loads from one, else f32
+    gguf: str = "auto"  # auto = f32 (the exact weights trained against), shipped, f16, q8_0 or PATH.gguf
     server_threads: int = 0  # 0 = `threads`, or every core when that is 0 too
     # in-process generation (engine=in-process)
     batch_size: int = 16
@@ -151,6 +152,13 @@ def main(argv: list[str]) -> Stats:
             run_server(client, target, todo, recipe, output, stats, where=f"llama-server ({gguf})",
                        alive=server.alive, log_tail=server.log_tail, weights=gguf.name)
     print_report(stats, output, recipe)
+    if recipe.report:
+        Path(recipe.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(recipe.report).write_text(json.dumps({
+            "engine": stats.engine, "written": stats.written, "resumed": stats.resumed, "tokens": stats.tokens,
+            "seconds": stats.seconds, "tokens_per_s": stats.tokens_per_second(), "cut": stats.cut,
+            "skipped": dict(stats.skipped), "retried": dict(stats.retried), "given_up": dict(stats.given_up),
+            "given_up_ids": stats.given_up_ids}, indent=1))
     return stats
 
 
@@ -258,10 +266,10 @@ def local_gguf(recipe: Recipe, target) -> Path:
         if not path.is_file():
             raise RecipeError(f"gguf={recipe.gguf}: no such file")
         return path
-    weights = recipe.gguf
-    if weights == "auto":
-        weights = "shipped" if source_gguf(target.name) is not None else "f32"
-    return target_gguf(target, weights)
+    # auto: F32, llama.cpp's conversion of the very weights the drafter trains against. A quantised file
+    # (SmolLM2's shipped Q4_1) also quantises activations, so its greedy replies part from the target's at near
+    # ties within a few dozen tokens (eval/regen_fidelity.py); choose it, f16 or q8_0 for speed or size.
+    return target_gguf(target, "f32" if recipe.gguf == "auto" else recipe.gguf)
 
 
 def choose_model(client: OpenAIServer, recipe: Recipe, target, where: str) -> str:
