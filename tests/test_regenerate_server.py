@@ -13,6 +13,9 @@ Every request has a timeout of seconds and every server a ready timeout, so no t
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -288,3 +291,48 @@ def test_no_build_falls_back_to_in_process(regenerate, tmp_path, monkeypatch, ca
     assert rows_by_id(output)["t0"]["generator"]["engine"] == "transformers"
     with pytest.raises(llama_cpp.LlamaCppError, match="no llama.cpp build"):
         regenerate.main([RECIPE, f"output={output}", "engine=llama-server"])
+
+
+def test_ctrl_c_stops_the_local_server_and_leaves_whole_rows(tiny, tmp_path):
+    target, gguf, _ = tiny
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{q} ({i})"}) + "\n"
+                            for i, q in enumerate(QUESTIONS * 3)))
+    output = tmp_path / "regen.jsonl"
+    command = [sys.executable, str(ROOT / "train" / "regenerate.py"), RECIPE, f"target={target}", f"data={data}",
+               f"output={output}", *FAST, "engine=llama-server", f"gguf={gguf}", "concurrency=1",
+               "max_new_tokens=64", "server_threads=1"]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        deadline = time.monotonic() + 90
+        while child.poll() is None and not (output.is_file() and output.read_text().count("\n") >= 1) \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert server_processes(gguf), "the script's llama-server is not running mid-run"
+        child.send_signal(signal.SIGINT)
+        try:
+            log, _ = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
+    assert child.returncode == 130 and "interrupted" in log and "Re-run the same command" in log
+    deadline = time.monotonic() + 10
+    while server_processes(gguf) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not server_processes(gguf), "Ctrl-C left the llama-server running"
+    assert 1 <= len(rows_by_id(output)) < 30  # whole rows only: every line parses
+
+
+def test_chat_api_gets_the_targets_template_or_is_refused(regenerate, tiny, data, tmp_path):
+    target, gguf, _ = tiny
+    by_ids = tmp_path / "completions.jsonl"
+    run(regenerate, target, data, by_ids, "engine=llama-server", f"gguf={gguf}", "server_threads=1")
+    chat = tmp_path / "chat.jsonl"  # llama-server started with the target's template file (--jinja)
+    stats = run(regenerate, target, data, chat, "engine=llama-server", f"gguf={gguf}", "server_threads=1", "api=chat")
+    assert stats.written == len(QUESTIONS) and rows_by_id(chat)["q0"]["generator"]["api"] == "chat"
+    assert {i: r["conversations"] for i, r in rows_by_id(chat).items()} == \
+        {i: r["conversations"] for i, r in rows_by_id(by_ids).items()}
+    # a server applying its own template (here: plain ChatML without SmolLM2's default system prompt) is refused
+    with LlamaServer(gguf, ready_timeout=60, alias=target.name, extra=("--jinja", "--chat-template", "chatml")) as server:
+        with pytest.raises(ServerError, match="applied another chat template or tokenizer"):
+            run(regenerate, target, data, tmp_path / "refused.jsonl", f"url={server.url}", "api=chat")
+    assert not (tmp_path / "refused.jsonl").exists()

@@ -36,6 +36,8 @@ import json
 import os
 import queue
 import re
+import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -86,7 +88,7 @@ class Recipe:
     probe_agreement: float = 0.6  # the least fraction of the probe's tokens that must be the target's argmax
     # the local llama-server (engine=llama-server)
     gguf: str = "auto"  # auto = f32 (the exact weights trained against), shipped, f16, q8_0 or PATH.gguf
-    server_threads: int = 0  # 0 = `threads`, or every core when that is 0 too
+    server_threads: int = 0  # 0 = `threads`, else torch's count ($OMP_NUM_THREADS, else every core)
     # in-process generation (engine=in-process)
     batch_size: int = 16
     dtype: Literal["auto", DtypeName] = "float32"  # auto: bf16 only where native (drafters.dtypes)
@@ -135,22 +137,33 @@ def main(argv: list[str]) -> Stats:
     if not todo:
         print(f"regenerate: nothing to do, all {stats.resumed} conversations are in {output}")
         return stats
-    if engine == "in-process":
-        run_in_process(target, todo, recipe, output, stats)
-    elif engine == "server":
-        client = OpenAIServer(recipe.url, api_key=os.environ.get(recipe.api_key_env), timeout=recipe.request_timeout)
-        run_server(client, target, todo, recipe, output, stats, where=recipe.url)
-    else:
-        gguf = local_gguf(recipe, target)
-        threads = recipe.server_threads or recipe.threads or os.cpu_count()
-        ctx = recipe.concurrency * (recipe.max_prompt_length + recipe.max_new_tokens + 8)  # per slot: ctx/slots
-        extra = ("--jinja", "--chat-template-file", template_file(target)) if recipe.api == "chat" else ()
-        print(f"regenerate: starting llama-server on {gguf.name} ({recipe.concurrency} slots, {threads} threads)")
-        with llama_cpp.LlamaServer(gguf, threads=threads, ctx=ctx, slots=recipe.concurrency,
-                                   alias=served_name(target.name), extra=extra) as server:
-            client = OpenAIServer(server.url, timeout=recipe.request_timeout)
-            run_server(client, target, todo, recipe, output, stats, where=f"llama-server ({gguf})",
-                       alive=server.alive, log_tail=server.log_tail, weights=gguf.name)
+    def terminate(signum, frame):  # a scheduler's SIGTERM stops like Ctrl-C: whole rows, the server stopped
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        if engine == "in-process":
+            run_in_process(target, todo, recipe, output, stats)
+        elif engine == "server":
+            client = OpenAIServer(recipe.url, api_key=os.environ.get(recipe.api_key_env), timeout=recipe.request_timeout)
+            run_server(client, target, todo, recipe, output, stats, where=recipe.url)
+        else:
+            gguf = local_gguf(recipe, target)
+            threads = recipe.server_threads or recipe.threads or torch.get_num_threads()  # OMP_NUM_THREADS or all cores
+            ctx = recipe.concurrency * (recipe.max_prompt_length + recipe.max_new_tokens + 8)  # per slot: ctx/slots
+            extra = ("--jinja", "--chat-template-file", template_file(target)) if recipe.api == "chat" else ()
+            print(f"regenerate: starting llama-server on {gguf.name} ({recipe.concurrency} slots, {threads} threads)")
+            with llama_cpp.LlamaServer(gguf, threads=threads, ctx=ctx, slots=recipe.concurrency,
+                                       alias=served_name(target.name), extra=extra) as server:
+                client = OpenAIServer(server.url, timeout=recipe.request_timeout)
+                run_server(client, target, todo, recipe, output, stats, where=f"llama-server ({gguf})",
+                           alive=server.alive, log_tail=server.log_tail, weights=gguf.name)
+    except KeyboardInterrupt:  # the server (if started here) is already stopped: its `with` block has exited
+        print(f"\nregenerate: interrupted; {stats.written} rows written this run, {stats.resumed + stats.written} in "
+              f"{output} in all. Re-run the same command to continue where it stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_report(stats, output, recipe)
     if recipe.report:
         Path(recipe.report).parent.mkdir(parents=True, exist_ok=True)
@@ -496,8 +509,8 @@ def regenerate_batch(target, conversations, recipe: Recipe, eos_ids: list[int], 
     histories = [[] for _ in conversations]
     while True:
         asking, prompts = [], []
-        for i, queue in enumerate(queues):
-            turns = next_user_turn(queue)
+        for i, pending in enumerate(queues):
+            turns = next_user_turn(pending)
             if not turns:
                 continue
             prompt = prompt_ids(target.tokenizer, histories[i] + turns, stats)  # None: counted
@@ -505,7 +518,7 @@ def regenerate_batch(target, conversations, recipe: Recipe, eos_ids: list[int], 
                 stats.skipped["prompt longer than max_prompt_length (conversation ends before it)"] += 1
                 prompt = None
             if prompt is None:
-                queue.clear()  # the conversation ends with its last answered turn, if any
+                pending.clear()  # the conversation ends with its last answered turn, if any
                 continue
             histories[i].extend(turns)
             asking.append(i)
@@ -549,13 +562,13 @@ def generate(target, prompts: list[list[int]], recipe: Recipe, eos_ids: list[int
         input_ids[b, T - len(prompt) :] = torch.tensor(prompt)
         attention_mask[b, T - len(prompt) :] = 1
     if recipe.temperature > 0:  # top_k=0: only temperature and top_p shape the distribution
-        sampling = dict(do_sample=True, temperature=recipe.temperature, top_p=recipe.top_p, top_k=0)
+        settings = dict(do_sample=True, temperature=recipe.temperature, top_p=recipe.top_p, top_k=0)
     else:
-        sampling = dict(do_sample=False)
+        settings = dict(do_sample=False)
     start = time.perf_counter()
     out = target.model.generate(
         input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-        max_new_tokens=recipe.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id, **sampling,
+        max_new_tokens=recipe.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id, **settings,
     )  # (B, T + new)
     stats.seconds += time.perf_counter() - start
     answers = []
