@@ -115,3 +115,26 @@ def test_bad_settings_are_recipe_errors(regenerate, tmp_path):
         run(regenerate, tmp_path / "x.jsonl", "top_p=1.5")
     with pytest.raises(ValueError, match="'prompt'"):
         run(regenerate, tmp_path / "x.jsonl", "fmt=alpaca")
+
+
+def test_server_settings_are_checked_before_anything_runs(regenerate, tmp_path):
+    for override, message in [("concurrency=0", "concurrency=0 must be >= 1"),
+                              ("request_timeout=0", "request_timeout=0.0 must be > 0"),
+                              ("gguf=q4_k", "gguf='q4_k': choose auto, shipped, f32, f16, q8_0 or a path"),
+                              ("engine=server", "engine=server needs url=")]:
+        with pytest.raises(ValueError, match=message):
+            run(regenerate, tmp_path / "x.jsonl", override)
+    with pytest.raises(ValueError, match="url=http://127.0.0.1:9 is a server, but engine=in-process"):
+        run(regenerate, tmp_path / "x.jsonl", "url=http://127.0.0.1:9")
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_no_server_at_the_url_is_one_sentence(regenerate, tmp_path):
+    from drafters.engines.llama_cpp import free_port
+    from drafters.engines.openai_api import ServerError
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ServerError, match=r"/v1/models did not answer \(connection.*is an OpenAI-compatible server "
+                                          "running there"):
+        run(regenerate, tmp_path / "x.jsonl", f"url={url}", "engine=auto", "retries=1", "backoff=0.01")
+    assert not (tmp_path / "x.jsonl").exists()
