@@ -5,12 +5,47 @@ the files hold. (Directories, checkpoints and exports, are staged and renamed by
 drafters.checkpoint, drafters.export.common.)
 """
 
+import fcntl
 import hashlib
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from drafters.errors import UserError
+
+_LOCKS: dict[Path, object] = {}  # lock file -> its open file: held until this process exits or locks it again
+
+
+class InUseError(UserError):
+    pass
+
+
+def hold_lock(path, what: str) -> None:
+    """Take the exclusive lock `path` (created; it records our PID) for the rest of this process, so that two
+    runs started at once never write into one place: the second is refused, naming the holder's PID. The lock
+    is flock(2), so it goes with its process: a killed run leaves a file but no lock, and never blocks a resume.
+    Locking the same path again from this process (runs one after another in one process) renews it."""
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = _LOCKS.pop(path, None)
+    if old is not None:
+        old.close()
+    f = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise InUseError(f"{what} is in use by another run (PID {holder}, holding {path}); wait for it to "
+                         "finish or stop it, or choose another directory") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS[path] = f
 
 
 @contextmanager

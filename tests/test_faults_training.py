@@ -157,17 +157,45 @@ def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
 # ---- 3. a new run never silently replaces an earlier one ------------------------------------------
 
 
+def test_a_second_run_into_a_running_runs_directory_is_refused_and_a_killed_runs_lock_is_not(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "train/eagle.py", "recipes/eagle3_tiny.yaml", f"output_dir={out}", "eval_every=0",
+               "max_steps=5000", "log_every=1", "save_every=2"]  # minutes: it is killed long before its end
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and first.poll() is None:
+            assert time.monotonic() < deadline, "the run never logged a step"
+            time.sleep(0.02)
+        # without the lock this one would remove the running run's files and train into them with another lr
+        second = subprocess.run(command + ["optim.lr=9e-3", "overwrite_output_dir=true"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+        assert f"error: output_dir={out} is in use by another run (PID {first.pid}" in second.stderr
+        assert first.poll() is None and metrics.is_file()
+        first.send_signal(signal.SIGKILL)  # killed: its lock goes with it, the file stays
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert (out / ".run.lock").read_text().strip() == str(first.pid)
+    last = max(int(p.name.removeprefix("checkpoint-")) for p in out.glob("checkpoint-[0-9]*"))
+    train("recipes/eagle3_tiny.yaml", out, "resume_from=latest", f"max_steps={last + 2}", "log_every=1", "save_every=2")
+    assert (out / "checkpoint-final").is_dir()
+
+
 def test_a_new_run_into_an_earlier_runs_directory_is_refused_unless_asked(uninterrupted, tmp_path):
     out = tmp_path / "run"
     train("recipes/eagle3_tiny.yaml", out, "max_steps=4", "save_every=2")
     (out / "notes.txt").write_text("mine")  # not the trainer's: never removed
-    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != ".run.lock"}
     with pytest.raises(RecipeError, match=rf"output_dir={out} holds an earlier run \(checkpoint-2, checkpoint-final, "
                                         r"eval.jsonl, metrics.jsonl\).*resume_from=latest.*overwrite_output_dir=true"):
         train("recipes/eagle3_tiny.yaml", out)
-    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing touched
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != ".run.lock"} == before  # untouched
     train("recipes/eagle3_tiny.yaml", out, "overwrite_output_dir=true")  # removes checkpoint-2: latest is this run's
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-final", "eval.jsonl",
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "checkpoint-4", "checkpoint-final", "eval.jsonl",
                                                      "metrics.jsonl", "notes.txt"]
     assert_same_weights(uninterrupted["recipes/eagle3_tiny.yaml"], out)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 6

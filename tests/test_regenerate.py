@@ -138,3 +138,23 @@ def test_no_server_at_the_url_is_one_sentence(regenerate, tmp_path):
                                           "running there"):
         run(regenerate, tmp_path / "x.jsonl", f"url={url}", "engine=auto", "retries=1", "backoff=0.01")
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_second_run_into_the_same_output_is_refused(regenerate, tmp_path):
+    import subprocess
+    import sys
+
+    from drafters.files import InUseError
+
+    output = tmp_path / "regen.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from drafters.files import hold_lock; "
+                               f"hold_lock({str(tmp_path / '.regen.jsonl.lock')!r}, 'x'); print('held', flush=True); "
+                               "time.sleep(60)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(InUseError, match=rf"output={output} is in use by another run \(PID {holder.pid}"):
+            run(regenerate, output)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(regenerate, output, "limit=1").written == 1  # the holder is gone, and its lock with it

@@ -52,6 +52,7 @@ from drafters.dtypes import DtypeName
 from drafters.engines import llama_cpp
 from drafters.engines.openai_api import OpenAIServer, RowFailure, ServerError, with_retries
 from drafters.export.llama_cpp import TARGET_WEIGHTS, target_gguf
+from drafters.files import hold_lock
 from drafters.training.data import DataError, RowError, load_conversations, render
 from drafters.training.recipe import RecipeError, load_recipe, run_main
 from drafters.targets import load_target
@@ -131,6 +132,7 @@ def main(argv: list[str]) -> Stats:
                                                limit=recipe.limit, require_assistant=False)
     print(report.summary())
     output = Path(recipe.output)
+    hold_lock(output.with_name(f".{output.name}.lock"), f"output={output}")  # two runs would write rows twice
     done = read_done_ids(output)
     todo, stats = select_todo(conversations, done)
     stats.engine = engine

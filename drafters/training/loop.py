@@ -40,7 +40,7 @@ from drafters.checkpoint import (
 )
 from drafters.training.data import Example, build_examples, collate
 from drafters.dtypes import DtypeName
-from drafters.files import data_sha256
+from drafters.files import data_sha256, hold_lock
 from drafters.training.recipe import RecipeError, build, read_recipe, to_dict
 from drafters.targets import Target, resolve_precision
 
@@ -216,6 +216,7 @@ def start_run(recipe, script: str):
     return accelerator, target, resume, train_rows, held_out
 
 
+LOCK_FILE = ".run.lock"
 # What a run writes into output_dir: what a new run would replace and overwrite_output_dir removes.
 RUN_FILES = re.compile(r"checkpoint-(\d+|final)|metrics\.jsonl|eval\.jsonl")
 
@@ -228,7 +229,11 @@ def earlier_run_files(output_dir) -> list[Path]:
 def claim_output_dir(recipe, accelerator) -> None:
     """A new run never silently replaces an earlier one (its checkpoint-final, its metrics, and its
     checkpoint-<step> that resume_from=latest would later pick up): it is continued (resume_from),
-    removed on request (overwrite_output_dir), or refused. Every process checks; the main one removes."""
+    removed on request (overwrite_output_dir), or refused. Every process checks; the main one removes.
+    The main process first locks output_dir for the run's life (.run.lock): a second run started into it,
+    even at the same moment, is refused with the first one's PID."""
+    if accelerator.is_main_process:
+        hold_lock(Path(recipe.output_dir) / LOCK_FILE, f"output_dir={recipe.output_dir}")
     found = earlier_run_files(recipe.output_dir)
     if not found:
         return
