@@ -112,7 +112,18 @@ def load_checkpoint(path, *, family: str | None = None) -> Checkpoint:
         state_dict = load_file(weights)
     except SafetensorError as err:
         raise CheckpointError(f"{weights}: cannot be read ({err}); the checkpoint is truncated or corrupt") from None
+    bad = nonfinite(state_dict)
+    if bad:  # a NaN passes every "diff > tol" test and drafts nothing: measured, it would look like tau 1.0
+        raise CheckpointError(f"{weights}: non-finite weights (NaN or inf) in {', '.join(bad[:6])}"
+                              + (", ..." if len(bad) > 6 else "") + "; the drafter diverged or was saved corrupted: "
+                              "use an earlier checkpoint or retrain")
     return Checkpoint(path, meta["family"], meta["config"], meta["target"], meta.get("extra", {}), state_dict)
+
+
+def nonfinite(tensors: dict) -> list[str]:
+    """'name (k of n)' for each floating tensor holding NaN or inf."""
+    return [f"{name} ({int((~t.isfinite()).sum())} of {t.numel()})" for name, t in tensors.items()
+            if t.is_floating_point() and not bool(t.isfinite().all())]
 
 
 def check_target(checkpoint: Checkpoint, target) -> None:

@@ -33,9 +33,10 @@ import sys
 from pathlib import Path
 
 from drafters.decode import evaluate as tau  # what eval/tau.py runs, in this process
-from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, target_info
+from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, CheckpointError, target_info
 from drafters.decode.proposers.loading import CHECKPOINT_LOADERS, load_proposer, proposer_sha256, split_drafter_spec
 from drafters.decode.report import Entry, render
+from drafters.export.check import ExportCheckError
 from drafters.export.common import MARKER
 from drafters.targets import load_target
 from drafters.decode.tree import parse_tree_spec
@@ -78,15 +79,25 @@ def parse_args(argv):
     return args
 
 
+class BrokenDrafter(Exception):
+    """A drafter whose files cannot be used (corrupt, truncated, non-finite): a failed row, not an abort."""
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    entries = [checkpoint_entry(*spec.partition("@")[::2]) for spec in args.drafters]
+    entries, failed = [], []
+    for spec in args.drafters:
+        try:
+            entries.append(checkpoint_entry(*spec.partition("@")[::2]))
+        except BrokenDrafter as error:
+            failed.append((spec, str(error)))
     target = load_target(args.target)
     args.target_name = target.name  # as eval/tau.py records it
     check_same_target(entries, target, args.target)
     entries += [Entry(label=spec, family="baseline", source=spec) for spec in args.baseline_specs]
     unique_labels(entries)
-    check_trees(entries, target, args)
+    failed += check_trees(entries, target, args)
+    entries = [e for e in entries if e.label not in {label for label, _ in failed}]
     out = Path(args.out)
     for entry in entries:
         for bench in args.benches:
@@ -105,8 +116,14 @@ def main(argv=None) -> Path:
     engines = [read_engine_report(path, target.name) for path in args.engine]
     if not entries:  # engine rows only: none of our decoder's settings apply
         settings = [f"target: `{args.target}`"]
-    index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings, engines=engines)
+    index = render(entries, out, title=f"Drafters compared on {args.target}", settings=settings, engines=engines,
+                   failed=failed)
     print(f"compare: wrote {index}")
+    if failed:
+        for label, reason in failed:
+            print(f"compare: not measured: {label}: {reason}", file=sys.stderr)
+        raise SystemExit(f"compare: {len(failed)} of {len(args.drafters)} drafters could not be measured (the report "
+                         "lists them with the reason); the others are in the report")
     return index
 
 
@@ -134,7 +151,12 @@ def checkpoint_entry(directory: str, tree: str = "") -> Entry:
         raise SystemExit(f"compare: {path} is not a drafter checkpoint (no {CONFIG_FILE}) nor an exported drafter "
                          "(no config.json); pass the checkpoint-final directory a training run wrote, or the "
                          "directory another tool saved")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+        meta["family"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise BrokenDrafter(f"{meta_path}: not a readable drafter record ({error!r}); the checkpoint is corrupt: "
+                            "use another checkpoint of the run or retrain") from None
     run_dir = path.parent
     name = run_dir.name if path.name.startswith("checkpoint") else path.name
     extra = meta.get("extra", {})
@@ -219,16 +241,22 @@ def check_same_target(entries: list[Entry], target, target_name: str) -> None:
                          f"{target_name!r}: " + "; ".join(differ))
 
 
-def check_trees(entries: list[Entry], target, args) -> None:
+def check_trees(entries: list[Entry], target, args) -> list[tuple[str, str]]:
     """Every drafter must be able to draft every tree it will be asked for (e.g. a 4-head Medusa
-    cannot draft depth 5): refused here, before hours of evaluation, not in the middle of them."""
+    cannot draft depth 5): refused here, before hours of evaluation, not in the middle of them. A drafter whose
+    files are broken (truncated, corrupt, non-finite weights) -> (label, reason): a failed row."""
+    failed = []
     for entry in entries:
         for tree in dict.fromkeys([entry.tree or args.tree, *args.sweep]):
             try:
                 load_proposer(entry.source, target, parse_tree_spec(tree))
+            except (CheckpointError, ExportCheckError) as error:
+                failed.append((entry.label, str(error)))
+                break
             except (ValueError, FileNotFoundError) as error:
                 raise SystemExit(f"compare: {entry.label} cannot run tree {tree!r}: {error}. Give it a tree "
                                  f"it can draft with {entry.source}@TREE, or change --tree / --sweep") from None
+    return failed
 
 
 def unique_labels(entries: list[Entry]) -> None:

@@ -128,3 +128,29 @@ def test_engine_rows_join_the_report_and_another_targets_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="measured on 'smollm2-135m-instruct'"):
         compare.main(["--target", "tiny-random-llama", "--engine", str(tmp_path / "other.json"),
                       "--out", str(tmp_path / "report2")])
+
+
+def test_broken_drafters_are_failed_rows_and_the_others_are_still_reported(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    nan, truncated, corrupt = (tmp_path / name for name in ("nan", "truncated", "corrupt"))
+    for copy in (nan, truncated, corrupt):
+        shutil.copytree(checkpoint, copy)
+    tensors = load_file(nan / "model.safetensors")
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (corrupt / "drafter.json").write_text('{"family": "eagle3", "conf')
+    out = tmp_path / "report"
+    with pytest.raises(SystemExit, match="3 of 4 drafters could not be measured"):
+        compare.main(["--target", "tiny-random-llama", "--drafters", str(checkpoint), str(nan), str(truncated),
+                      str(corrupt), "--bench", BENCH, "--tree", "chain:2", "--limit", "1", "--max-new-tokens", "8",
+                      "--threads", "1", "--no-speed", "--out", str(out)])
+    text = (out / "index.md").read_text()
+    assert sum(line.startswith("| eagle3:eagle3_tiny ") for line in text.splitlines()) == 1  # the healthy one
+    not_measured = text.split("## Not measured")[1]
+    assert "non-finite weights (NaN or inf) in fc.weight" in not_measured
+    assert "cannot be read" in not_measured and "truncated or corrupt" in not_measured
+    assert f"{corrupt / 'drafter.json'}: not a readable drafter record" in not_measured
+    assert "give it a tree" not in text.lower()

@@ -181,3 +181,25 @@ def test_merge_refuses_reports_of_different_runs(bench, tmp_path):
 def test_bad_shard_and_baseline_options(bench, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         run(bench, tmp_path / "x.json", "--proposer", "prompt-lookup", *extra)
+
+
+def test_a_nan_drafter_is_refused_naming_the_tensor_not_measured_as_tau_1(bench, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from drafters.checkpoint import save_checkpoint, target_info
+    from drafters.draft_vocab import build_draft_vocab
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from drafters.targets import load_target
+
+    target = load_target("tiny-random-llama")
+    vocab = build_draft_vocab(torch.ones(target.vocab_size), target.vocab_size, size=64)
+    drafter = Eagle3Drafter(Eagle3Config.from_target_config(target.config, draft_vocab_size=64), vocab)
+    save_checkpoint(tmp_path / "eagle3", family="eagle3", config=dataclasses.asdict(drafter.config),
+                    target=target_info(target), state_dict=drafter.state_dict())
+    weights = tmp_path / "eagle3" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["fc.weight"][0, 0] = float("nan")  # used to report "tau 1.000, greedy == generate 6/6 OK"
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match=r"model.safetensors: non-finite weights \(NaN or inf\) in fc.weight \(1 of"):
+        run(bench, tmp_path / "nan.json", "--proposer", str(tmp_path / "eagle3"), "--tree", "chain:2")
+    assert not (tmp_path / "nan.json").exists()

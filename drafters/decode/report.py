@@ -55,7 +55,8 @@ def bench_name(report: dict) -> str:
         else report["bench"]
 
 
-def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[str], engines: list[dict] = ()) -> Path:
+def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[str], engines: list[dict] = (),
+           failed: list[tuple[str, str]] = ()) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     images = []
     groups = sorted({(bench_name(r), r["sampling"]["temperature"]) for e in entries for r in e.runs})
@@ -71,16 +72,20 @@ def render(entries: list[Entry], out_dir: Path, *, title: str, settings: list[st
     if any(e.metrics for e in entries):
         images.append(plot_training(entries, out_dir / "training_curves.png"))
     index = out_dir / "index.md"
-    index.write_text(markdown(entries, images, title, settings, engines))
+    index.write_text(markdown(entries, images, title, settings, engines, failed))
     return index
 
 
 # ---------------------------------------------------------------- table
 
 
-def markdown(entries: list[Entry], images: list[Path], title: str, settings: list[str], engines=()) -> str:
-    if not entries:  # only rows measured by an engine
-        return "\n".join([f"# {title}", "", *[f"- {s}" for s in settings], *engine_markdown(engines), ""])
+def markdown(entries: list[Entry], images: list[Path], title: str, settings: list[str], engines=(),
+             failed=()) -> str:
+    not_measured = (["", "## Not measured", "", "| drafter | why |", "|---|---|"]
+                    + [f"| {label} | {reason.replace('|', '/')} |" for label, reason in failed]) if failed else []
+    if not entries:  # only rows measured by an engine, or none
+        return "\n".join([f"# {title}", "", *[f"- {s}" for s in settings], *engine_markdown(engines), *not_measured,
+                          ""])
     lines = [f"# {title}", "", *[f"- {s}" for s in settings], "", "## Results", "",
              "| drafter | family | bench | T | tree (draft nodes) | tau | speedup | acceptance d1..d4 | training |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -100,7 +105,7 @@ def markdown(entries: list[Entry], images: list[Path], title: str, settings: lis
                 speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
                 lines.append(f"| {e.label} | `{r['tree']}` | {r['tree_budget']['draft_nodes_excl_root']} | "
                              f"{r['tau']:.3f} | {speedup} |")
-    lines += engine_markdown(engines)
+    lines += engine_markdown(engines) + not_measured
     lines += ["", "## Plots", ""]
     for image in images:
         lines += [f"![{image.stem}]({image.name})", ""]

@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint, nonfinite
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.layers import DraftKVCache
 
@@ -470,8 +470,7 @@ def expected_shapes(g: dict, num_aux: int, layer: str) -> dict[str, tuple[int, .
 
 def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
     # NaN compares False with everything: a NaN weight would pass every "diff > atol" test below
-    bad = [f"{name} ({int((~t.isfinite()).sum())} of {t.numel()})" for name, t in tensors.items()
-           if t.is_floating_point() and not bool(t.isfinite().all())]
+    bad = nonfinite(tensors)
     if bad:
         raise ExportCheckError(f"{where}: non-finite weights (NaN or inf) in {', '.join(bad[:6])}"
                                + (", ..." if len(bad) > 6 else "") + "; the drafter diverged or was "
