@@ -5,6 +5,7 @@ the files hold. (Directories, checkpoints and exports, are staged and renamed by
 drafters.checkpoint, drafters.export.common.)
 """
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -117,3 +118,15 @@ def _update(digest, file: Path) -> None:
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
+
+
+def disk_full(err: BaseException) -> bool:
+    """ENOSPC as an OSError, or as the writers report it: safetensors ("I/O error: No space left on
+    device (os error 28)") and torch.save raise their own exception types; torch.save says "file write
+    failed", or, when the disk fills inside its zip writer, "[enforce fail at inline_container.cc] .
+    unexpected pos N vs M" (a short write: seen on a full 300 KB tmpfs)."""
+    if isinstance(err, OSError):
+        return err.errno == errno.ENOSPC
+    text = str(err)
+    return "No space left on device" in text or "os error 28" in text or (
+        isinstance(err, RuntimeError) and ("file write failed" in text or "unexpected pos" in text))

@@ -352,7 +352,51 @@ def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoi
     assert str(stopped.value) == (f"no space left on device while writing checkpoint-4 to {out}; nothing was "
                                   f"half-written; free space and resume from {out / 'checkpoint-2'} "
                                   "(resume_from=latest)")
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "eval.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "checkpoint-2", "eval.jsonl", "metrics.jsonl"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """a 300 KB tmpfs (skipped where mounting needs a root this process is not)"""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_while_writing_features_says_what_to_do_and_the_rerun_continues(small_disk, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "train/features.py", "recipes/eagle3_tiny.yaml", f"features.dir={small_disk / 'f'}",
+               "features.shard_rows=2"]  # ~75 KB a shard: the 5th does not fit
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"no space left on device while writing shard-00004.safetensors to {small_disk / 'f'}; the store is " \
+           "consistent (4 of 10 shards complete, nothing half-written): free space and run the same command again " \
+           "to continue. This store will need about 0.7 MiB in all" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in (small_disk / "f").iterdir()) == [
+        "index.json", "shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors",
+        "shard-00003.safetensors"]
+    moved = tmp_path / "f"  # "free space": the same store on a larger disk
+    shutil.copytree(small_disk / "f", moved)
+    done = subprocess.run(command[:3] + [f"features.dir={moved}", "features.shard_rows=2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("already complete, skipped") == 4 and "10 shards" in done.stdout
+
+
+def test_a_really_full_disk_while_saving_says_what_to_do(small_disk):
+    # the first checkpoint's safetensors fit, torch.save of the optimizer state does not (it used to end in
+    # "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos", a traceback)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "train/eagle.py", "recipes/eagle3_tiny.yaml", f"output_dir={small_disk / 'run'}",
+                           "eval_every=0", "save_every=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"no space left on device while writing checkpoint-2 to {small_disk / 'run'}; nothing was half-written; " \
+           "free space and run again (no checkpoint was saved yet)" in done.stderr, done.stderr[-3000:]
+    assert not any(p.name.startswith("checkpoint") for p in (small_disk / "run").iterdir())  # no partial checkpoint
 
 
 # ---- 8. small traps --------------------------------------------------------------------------------

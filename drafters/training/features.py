@@ -47,7 +47,7 @@ from drafters.checkpoint import target_info
 from drafters.training.data import Example, collate
 from drafters.eagle3 import fuse_features
 from drafters.dtypes import DTYPES
-from drafters.files import atomic_path, data_sha256, write_text_atomic
+from drafters.files import atomic_path, data_sha256, disk_full, write_text_atomic
 from drafters.training.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
 from drafters.training.loop import LengthBuckets, num_tokens
@@ -140,11 +140,20 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
             continue
         rows = examples[k * per_shard:(k + 1) * per_shard]
         tensors = shard_tensors(target, rows, spec, dtype, batch_size, bar)
-        with atomic_path(directory / name) as tmp:  # a shard file is complete or absent
-            save_file(tensors, tmp, metadata={"format": FORMAT})
-        index["shards"][name] = {"first_row": k * per_shard, "rows": len(rows), "tokens": tensors["input_ids"].numel(),
-                                 "bytes": (directory / name).stat().st_size}
-        _write_index(directory, index)
+        try:
+            with atomic_path(directory / name) as tmp:  # a shard file is complete or absent
+                save_file(tensors, tmp, metadata={"format": FORMAT})
+            index["shards"][name] = {"first_row": k * per_shard, "rows": len(rows),
+                                     "tokens": tensors["input_ids"].numel(), "bytes": (directory / name).stat().st_size}
+            _write_index(directory, index)
+        except Exception as err:  # noqa: BLE001 - re-raised unless it is a full disk
+            if not disk_full(err):
+                raise
+            raise FeatureStoreError(
+                f"no space left on device while writing {name} to {directory}; the store is consistent "
+                f"({k} of {num_shards} shards complete, nothing half-written): free space and run the same command "
+                "again to continue. This store will need about "
+                f"{header['tokens'] * token_bytes(header) / 2**20:.1f} MiB in all") from None
         say(f"features: {name} written ({len(rows)} examples, {index['shards'][name]['tokens']} tokens, "
             f"{time.perf_counter() - start:.1f}s so far)")
     bar.close()
@@ -217,10 +226,19 @@ def _write_index(directory: Path, index: dict) -> None:
     write_text_atomic(directory / INDEX, json.dumps(index, indent=2) + "\n")
 
 
+def feature_width(index: dict) -> int:
+    # values stored per token: the features (one hidden state per layer read) and the label hidden state if any
+    h, spec = index["target"]["hidden_size"], index["layer_spec"]
+    return h * len(spec.get("layers", [None])) + (h if "label_hidden" in spec else 0)
+
+
+def token_bytes(index: dict) -> int:
+    # per token in a shard, headers and offsets aside: the features, input_ids (4) and loss_mask (1)
+    return feature_width(index) * DTYPES[index["dtype"]].itemsize + 5
+
+
 def storage_report(index: dict) -> str:
-    h, itemsize = index["target"]["hidden_size"], DTYPES[index["dtype"]].itemsize
-    spec = index["layer_spec"]
-    width = h * len(spec.get("layers", [None])) + (h if "label_hidden" in spec else 0)  # values per token
+    itemsize, width = DTYPES[index["dtype"]].itemsize, feature_width(index)
     logits = index["target"]["vocab_size"] * 2
     return (f"features: {index['rows']} examples, {index['tokens']} tokens in {len(index['shards'])} shards, "
             f"{index['bytes']} bytes = {index['bytes_per_token']:.1f} bytes per token (features {width} x {itemsize} "

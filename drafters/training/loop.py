@@ -10,7 +10,6 @@ every family's Recipe dataclass works with them. Knows nothing about drafters or
 """
 
 import dataclasses
-import errno
 import json
 import math
 import re
@@ -40,7 +39,7 @@ from drafters.checkpoint import (
 )
 from drafters.training.data import Example, build_examples, collate
 from drafters.dtypes import DtypeName
-from drafters.files import data_sha256, hold_lock
+from drafters.files import data_sha256, disk_full, hold_lock
 from drafters.training.recipe import RecipeError, build, read_recipe, to_dict
 from drafters.targets import Target, resolve_precision
 
@@ -787,16 +786,6 @@ def save_resumable(accelerator, path: Path, step: int, position: Position, token
                 {"step": step, "passes": position.passes, "micro": position.micro, "tokens": tokens,
                  "num_processes": accelerator.num_processes}))
         save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
-
-
-def disk_full(err: BaseException) -> bool:
-    """ENOSPC as an OSError, or as the writers report it: safetensors ("I/O error: No space left on
-    device (os error 28)") and torch.save ("file write failed") raise their own exception types."""
-    if isinstance(err, OSError):
-        return err.errno == errno.ENOSPC
-    text = str(err)
-    return "No space left on device" in text or "os error 28" in text or (
-        isinstance(err, RuntimeError) and "file write failed" in text)
 
 
 @contextmanager
