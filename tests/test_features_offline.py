@@ -226,9 +226,18 @@ def test_eagle3_trains_offline_as_it_trains_online(scripts, written_eagle3, tmp_
 
 def test_eagle3_features_for_other_aux_layers_are_refused(scripts, written_eagle3, tmp_path):
     with pytest.raises(FeatureStoreError, match="layer_spec.features is 'fused:2,4,5' in the stored features but "
-                                                "'fused:1,4,6'"):
+                                                "'fused:1,4,6' in this run, so they were computed for other target "
+                                                "layers"):
         scripts[1].main([EAGLE3, f"data.path={DATA}", f"output_dir={tmp_path}", f"features.dir={written_eagle3[0]}",
                          "features.dtype=float32", "layers=[1,4,6]"])
+
+
+def test_a_store_in_another_precision_is_refused(scripts, written_eagle3, tmp_path):
+    # the store is float32; asking for bfloat16 features (or the reverse) used to train on the stored precision
+    with pytest.raises(FeatureStoreError, match="dtype is 'float32' in the stored features but 'bfloat16' in this "
+                                                r"run, so they were computed for another features.dtype"):
+        scripts[1].main([EAGLE3, f"data.path={DATA}", f"output_dir={tmp_path}", f"features.dir={written_eagle3[0]}",
+                         "features.dtype=bfloat16"])
 
 
 def test_dflash_trains_from_the_eagle3_store_as_it_trains_online(scripts, written_eagle3, tmp_path):

@@ -109,7 +109,8 @@ def header_mismatch(stored: dict, current: dict) -> tuple[str, object, object] |
     """-> (field, stored value, current value) of the first difference that changes the stored tensors."""
     checks = [("family", stored.get("family"), current["family"]),
               ("layer_spec.features", stored.get("layer_spec", {}).get("features"),
-               current["layer_spec"]["features"])]
+               current["layer_spec"]["features"]),
+              ("dtype", stored.get("dtype"), current["dtype"])]  # bf16 features are not float32 ones
     checks += [(f"target.{k}", stored.get("target", {}).get(k), current["target"][k]) for k in TARGET_FIELDS]
     checks += [(f"data.{k}", stored.get("data", {}).get(k), current["data"][k]) for k in ("sha256", *DATA_FIELDS)]
     return next(((name, a, b) for name, a, b in checks if a != b), None)
@@ -332,7 +333,8 @@ def _what(field: str) -> str:
         return "other data (data file bytes or the data fields that shape the examples)"
     if field.startswith("target."):
         return "another target (or target dtype)"
-    return {"family": "another drafter family", "layer_spec.features": "another eagle1.feature"}[field]
+    return {"family": "another drafter family", "dtype": "another features.dtype (a store keeps one precision)",
+            "layer_spec.features": "other target layers (EAGLE-3 / DFlash: layers; EAGLE-1: eagle1.feature)"}[field]
 
 
 # ---- batches for training ------------------------------------------------------------------------------
