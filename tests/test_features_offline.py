@@ -97,6 +97,31 @@ def test_rerun_resumes_and_rewrites_only_missing_shards(scripts, written, tmp_pa
     assert not list(directory.glob(".*"))  # no temporary file left
 
 
+def test_damaged_shards_are_named_before_training_and_the_rerun_repairs_exactly_them(scripts, written, tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(written[0], directory)
+    shards = {p.name: p.read_bytes() for p in directory.glob("shard-*")}
+    data = shards["shard-00001.safetensors"]
+    (directory / "shard-00001.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    (directory / "shard-00002.safetensors").unlink()  # deleted
+    flipped = bytearray(shards["shard-00000.safetensors"])  # same size, one feature byte changed
+    flipped[-7] ^= 0xFF
+    (directory / "shard-00000.safetensors").write_bytes(bytes(flipped))
+    with pytest.raises(FeatureStoreError) as refused:  # used to be SafetensorError / FileNotFoundError mid-training
+        scripts[1].main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path / 'run'}", f"features.dir={directory}"])
+    message = str(refused.value)
+    assert f"features.dir={directory}: 3 of {len(shards)} shards are damaged (" in message
+    assert "shard-00000.safetensors has other bytes than were written" in message
+    assert f"shard-00001.safetensors has {len(data) // 2} bytes, {len(data)} were written" in message
+    assert "shard-00002.safetensors is missing" in message and "rerun python train/features.py" in message
+    mtimes = {p.name: p.stat().st_mtime_ns for p in directory.glob("shard-*")}
+    scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}"])  # the repair the message names
+    assert {p.name: p.read_bytes() for p in directory.glob("shard-*")} == shards
+    untouched = set(shards) - {"shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"}
+    assert all(directory.joinpath(n).stat().st_mtime_ns == mtimes[n] for n in untouched)
+    FeatureStore.open(directory)
+
+
 def test_a_directory_written_by_another_recipe_is_not_resumed(scripts, written, tmp_path):
     directory = tmp_path / "copy"
     shutil.copytree(written[0], directory)

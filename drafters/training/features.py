@@ -47,7 +47,7 @@ from drafters.checkpoint import target_info
 from drafters.training.data import Example, collate
 from drafters.eagle3 import fuse_features
 from drafters.dtypes import DTYPES
-from drafters.files import atomic_path, data_sha256, disk_full, write_text_atomic
+from drafters.files import atomic_path, data_sha256, disk_full, file_sha256, write_text_atomic
 from drafters.training.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
 from drafters.training.loop import LengthBuckets, num_tokens
@@ -135,17 +135,22 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
     for k in range(num_shards):
         name = f"shard-{k:05d}.safetensors"
         done = index["shards"].get(name)
-        if done is not None and (directory / name).is_file() and (directory / name).stat().st_size == done["bytes"]:
-            say(f"features: {name} already complete, skipped")
-            bar.update(done["tokens"])
-            continue
+        if done is not None:
+            problem = shard_problem(directory, name, done)
+            if problem is None:
+                say(f"features: {name} already complete, skipped")
+                bar.update(done["tokens"])
+                continue
+            say(f"features: {name} {problem}: computing it again")
+            del index["shards"][name]
         rows = examples[k * per_shard:(k + 1) * per_shard]
         tensors = shard_tensors(target, rows, spec, dtype, batch_size, bar)
         try:
             with atomic_path(directory / name) as tmp:  # a shard file is complete or absent
                 save_file(tensors, tmp, metadata={"format": FORMAT})
             index["shards"][name] = {"first_row": k * per_shard, "rows": len(rows),
-                                     "tokens": tensors["input_ids"].numel(), "bytes": (directory / name).stat().st_size}
+                                     "tokens": tensors["input_ids"].numel(), "bytes": (directory / name).stat().st_size,
+                                     "sha256": file_sha256(directory / name)}
             _write_index(directory, index)
         except Exception as err:  # noqa: BLE001 - re-raised unless it is a full disk
             if not disk_full(err):
@@ -197,6 +202,20 @@ def shard_tensors(target, rows: list[Example], spec: dict, dtype: torch.dtype, b
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # (R+1,)
         "rows": torch.tensor([e.row for e in rows], dtype=torch.long),  # (R,)
     }
+
+
+def shard_problem(directory: Path, name: str, entry: dict) -> str | None:
+    """What is wrong with a shard the index lists as written: missing, another size (truncated), or other bytes
+    than were written (its sha256; stores written before the checksum was recorded are checked by size)."""
+    path = directory / name
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"has {size} bytes, {entry['bytes']} were written (truncated or replaced)"
+    if "sha256" in entry and file_sha256(path) != entry["sha256"]:
+        return "has other bytes than were written (its sha256 differs from the index's)"
+    return None
 
 
 def _resumable_index(directory: Path, header: dict) -> dict:
@@ -273,6 +292,13 @@ class FeatureStore:
         if not index.get("complete"):
             raise FeatureStoreError(f"{directory / INDEX}: only {len(index.get('shards', {}))} shards are written; "
                                     "finish them: rerun python train/features.py with the same recipe (it resumes)")
+        damaged = [(name, problem) for name, entry in sorted(index["shards"].items())
+                   if (problem := shard_problem(directory, name, entry)) is not None]
+        if damaged:
+            listed = "; ".join(f"{name} {problem}" for name, problem in damaged[:4]) + ("; ..." if len(damaged) > 4 else "")
+            raise FeatureStoreError(f"features.dir={directory}: {len(damaged)} of {len(index['shards'])} shards are "
+                                    f"damaged ({listed}). Repair: rerun python train/features.py with the same recipe "
+                                    "and features.dir; it checks every shard and computes only the damaged ones again")
         return cls(directory, index)
 
     def check(self, recipe, target) -> None:
