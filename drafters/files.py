@@ -53,18 +53,26 @@ def hold_lock(path, what: str) -> None:
 def atomic_path(path):
     """with atomic_path(p) as tmp: write tmp -> renamed to p on success (readers see the old file or the
     complete new one, never a partial one); removed on any error. tmp is in p's directory (same file
-    system, so the rename is atomic) and gets mode 0644 like a plain open()."""
+    system, so the rename is atomic) and gets the mode a plain open() would give."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600
     try:
         yield Path(tmp)
+        # mkstemp creates 0600, and a writer that replaces the file (safetensors) keeps that: give it the mode a
+        # plain open() would, 0666 less the umask
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path, text: str) -> None:

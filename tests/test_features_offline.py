@@ -2,6 +2,7 @@
 what the shards hold, resuming, and clear refusals of features computed for something else."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,18 @@ def test_online_and_offline_training_give_the_same_losses(scripts, written, tmp_
         assert b["tokens"] == a["tokens"]
     assert offline.eval["step_acc"] == pytest.approx(online.eval["step_acc"])
     assert offline.eval["loss"] == pytest.approx(online.eval["loss"], rel=1e-6)
+
+
+def test_shards_get_the_mode_of_their_index(written):
+    # both as a plain open() would write them (they used to be 0600, unreadable to a group sharing the store)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in written[0].iterdir()}
+    assert set(modes.values()) == {0o666 & ~current_umask()}, modes
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_shards_hold_the_targets_features_tokens_and_masks(written):
