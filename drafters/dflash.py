@@ -72,6 +72,22 @@ class DFlashConfig:
     hidden_act: str = "silu"
     final_logit_softcapping: float | None = None  # the target's (Gemma-2 style), applied to the head
 
+    def __post_init__(self):
+        # checked where a config is read (a checkpoint's drafter.json, an export's config.json): a wrong type or
+        # range would surface later as a TypeError in the decoder, or as advice about trees of depth -1
+        least = {"hidden_size": 1, "intermediate_size": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+                 "head_dim": 1, "vocab_size": 1, "draft_vocab_size": 1, "max_position_embeddings": 1,
+                 "num_hidden_layers": 1, "block_size": 2}  # block: the anchor and at least one mask slot
+        problems = [f"{name}={getattr(self, name)!r} must be an integer >= {k}" for name, k in least.items()
+                    if not _is_int(getattr(self, name)) or getattr(self, name) < k]
+        vocab = self.vocab_size if _is_int(self.vocab_size) else 0
+        if not _is_int(self.mask_token_id) or not 0 <= self.mask_token_id < vocab:
+            problems.append(f"mask_token_id={self.mask_token_id!r} must be a token id in [0, vocab_size={vocab})")
+        if not isinstance(self.aux_layers, list) or not all(_is_int(i) and i >= 0 for i in self.aux_layers):
+            problems.append(f"aux_layers={self.aux_layers!r} must be a list of layer indices >= 0")
+        if problems:
+            raise ValueError("DFlash config: " + "; ".join(problems))
+
     @classmethod
     def from_target_config(cls, config, draft_vocab_size: int, *, mask_token_id: int, layers=None,
                            num_layers: int = 1, block_size: int = 8) -> "DFlashConfig":
@@ -96,6 +112,10 @@ class DFlashConfig:
         softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         return cls(**fields, draft_vocab_size=draft_vocab_size, num_hidden_layers=num_layers, block_size=block_size,
                    mask_token_id=mask_token_id, aux_layers=layers, final_logit_softcapping=softcap)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---- the layers ---------------------------------------------------------------------------------

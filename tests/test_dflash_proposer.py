@@ -7,6 +7,8 @@ The drafter is trained for a few seconds on the target's own greedy continuation
 drafts are often right and accepted paths of several tokens are exercised.
 """
 
+import json
+import shutil
 from dataclasses import asdict, replace
 
 import pytest
@@ -272,6 +274,21 @@ def test_checkpoint_for_another_target_is_refused(setup, tmp_path):
                     state_dict=state)
     with pytest.raises(CheckpointError, match="(?s)weights do not match.*hidden_norm.weight"):
         load_dflash_proposer(tmp_path / "partial", target, "chain:3")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("block_size", 0, "block_size=0 must be an integer >= 2"),  # was: "use a tree of depth <= -1 (e.g. chain:-1)"
+    ("block_size", "4", "block_size='4' must be an integer >= 2"),  # was: a TypeError traceback
+    ("mask_token_id", None, r"mask_token_id=None must be a token id in \[0, vocab_size=\d+\)"),
+])
+def test_a_bad_config_in_the_file_is_named_where_it_is_read(setup, tmp_path, field, value, message):
+    target, _, path = setup
+    shutil.copytree(path, tmp_path / "bad")
+    meta = json.loads((tmp_path / "bad" / "drafter.json").read_text())
+    meta["config"][field] = value
+    (tmp_path / "bad" / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'bad'}.*DFlash config: {message}"):
+        load_dflash_proposer(tmp_path / "bad", target, "chain:3")
 
 
 def test_propose_before_reset_is_refused(setup):
