@@ -6,6 +6,8 @@ import dataclasses
 import json
 
 import pytest
+
+from conftest import load_script  # tests/ is on sys.path under pytest
 import torch
 
 from drafters.decode import autotree
@@ -199,11 +201,24 @@ def test_checkpoint_acceptance_is_used_when_asked(bench, tmp_path, monkeypatch):
 @pytest.mark.parametrize("extra, message", [
     (["--adaptive"], "--adaptive needs a chain"),
     (["--auto-candidates", "chain:zero"], "bad tree spec 'chain:zero'"),
+    (["--auto-probe-tokens", "0"], "--auto-probe-tokens must be >= 1, got 0"),  # was: every candidate skipped,
+    (["--auto-prompts", "0"], "--auto-prompts must be >= 1, got 0"),  # then "NO SPECULATION"; was: all prompts
 ])
 def test_bad_auto_options_fail_before_loading(bench, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         tau.main(["--target", "no-such-target", "--proposer", "prompt-lookup", "--bench", str(bench),
                   "--tree", "auto", *extra])
+
+
+def test_no_prediction_when_no_candidate_could_run(bench, tmp_path):
+    heads = tmp_path / "medusa"  # 3 heads: no tree deeper than 3
+    load_script("train/heads.py").main(["recipes/medusa_tiny.yaml", f"output_dir={heads}", "max_steps=2",
+                                        "save_every=0", "eval_every=0"])
+    with pytest.raises(SystemExit, match=r"no candidate tree could be run with this proposer \(chain:5: .*chain:6: "):
+        tau.main(["--target", "tiny-random-llama", "--proposer", str(heads / "checkpoint-final"), "--bench",
+                  str(bench), "--max-new-tokens", "8", "--threads", "1", "--tree", "auto", "--auto-candidates",
+                  "chain:5", "chain:6", "--speculate-anyway", "--json", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_checkpoint_acceptance_without_a_record_is_refused(bench, tmp_path):

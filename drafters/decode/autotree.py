@@ -70,12 +70,13 @@ NO_SPECULATION = "none"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--tree auto (drafters.decode.autotree)")
     group.add_argument("--auto-prompts", type=int, default=2,
-                       help="bench prompts (turn 1) decoded to calibrate acceptance (default 2)")
+                       help="bench prompts (turn 1) decoded to calibrate acceptance, >= 1 (default 2; fewer are "
+                            "used when fewer fit the target's context)")
     group.add_argument("--auto-acceptance", choices=("calibration", "checkpoint"), default="calibration",
                        help="acceptance by depth from a calibration decode (default) or from the drafter "
                             "checkpoint's held-out per-step accuracy (drafter.json extra.eval.step_acc)")
     group.add_argument("--auto-probe-tokens", type=int, default=32,
-                       help="new tokens decoded with each candidate tree to time its draft (default 32)")
+                       help="new tokens decoded with each candidate tree to time its draft, >= 1 (default 32)")
     group.add_argument("--auto-candidates", nargs="+", default=list(CANDIDATES), metavar="TREE",
                        help="tree specs to choose from (default: chain:1..6 and five dynamic trees)")
     group.add_argument("--speculate-anyway", action="store_true",
@@ -287,6 +288,8 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
                 probe_tokens: int = 32, candidates=CANDIDATES, calibration_tree: str = CALIBRATION_TREE,
                 warmup: int = 2, repeats: int = 5, log=print) -> AutoResult:
     """make_proposer(TreeSpec) -> a fresh proposer for that tree; items: bench items (turn 1 is used)."""
+    if prompts < 1 or probe_tokens < 1:
+        raise ValueError(f"--tree auto: --auto-prompts ({prompts}) and --auto-probe-tokens ({probe_tokens}) must be >= 1")
     rates = checkpoint_rates(proposer_spec) if acceptance == "checkpoint" else None
     if acceptance == "checkpoint" and rates is None:
         raise ValueError(f"--auto-acceptance checkpoint: {proposer_spec} records no held-out per-step accuracy "
@@ -336,6 +339,10 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
         log(f"tree auto: {spec}: draft {1e3 * draft_s:.2f} ms/round, tau {stats.tau:.2f} over "
             f"{stats.num_rounds} probe rounds")
 
+    if not probes:  # nothing measured supports any prediction, "no speculation" included
+        raise ValueError("--tree auto: no candidate tree could be run with this proposer ("
+                         + "; ".join(f"{spec}: {why}" for spec, why in skipped.items())
+                         + "); give --auto-candidates trees it can draft")
     context = answers[0][: calibration[0].numel() + max_new_tokens // 2]
     needs_hidden = needs[0].any  # the verification forward returns hidden states when the proposer reads them
     largest = max([max(len(s) for s in p.shapes) for p in probes] + [VERIFY_GRID[-1]])

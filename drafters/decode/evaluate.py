@@ -200,6 +200,9 @@ def check_inputs(args):
         raise SystemExit(f"tau: --max-turns must be >= 1, got {args.max_turns}")
     if args.max_new_tokens < 1:
         raise SystemExit(f"tau: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for option, value in (("--auto-prompts", args.auto_prompts), ("--auto-probe-tokens", args.auto_probe_tokens)):
+        if value < 1:  # 0 used to calibrate on every prompt, or to skip every candidate and then predict anyway
+            raise SystemExit(f"tau: {option} must be >= 1, got {value}")
     args.tree_auto = None
     try:
         tree = None if args.tree == "auto" else parse_tree_spec(args.tree)
