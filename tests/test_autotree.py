@@ -6,9 +6,9 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
-import torch
 
 from drafters.decode import autotree
 from drafters.decode import evaluate as tau

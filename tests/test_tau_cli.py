@@ -125,6 +125,19 @@ def test_prompts_longer_than_the_context_are_counted_skips(tmp_path):
     assert not (tmp_path / "none.json").exists()
 
 
+def test_a_tree_too_deep_for_the_context_is_named_not_the_prompts(bench, tmp_path):
+    # chain:1000 with 30-token prompts used to be "every prompt was skipped (longer than the context)"
+    with pytest.raises(SystemExit, match=r"--tree chain:1020 drafts 1020 tokens deep: with --max-new-tokens 16 that "
+                                         r"needs 1036 positions beyond the prompt, and tiny-random-llama has 1024; use "
+                                         "a shallower tree"):
+        run(bench, tmp_path / "deep.json", "--proposer", "prompt-lookup", "--tree", "chain:1020")
+    with pytest.raises(SystemExit, match=r"every prompt was skipped: prompt \+ --max-new-tokens 16 \+ tree depth 1000 "
+                                         r"exceed the context of tiny-random-llama \(1024 positions; the first prompt "
+                                         r"needed \d+\).*or a shallower tree"):
+        run(bench, tmp_path / "deep.json", "--proposer", "prompt-lookup", "--tree", "chain:1000")
+    assert not (tmp_path / "deep.json").exists()
+
+
 def test_a_greedy_mismatch_is_recorded_and_loud(capsys):
     run = tau.Run()
     prompt, base, spec = torch.tensor([1, 2]), torch.tensor([1, 2, 5, 6, 7]), torch.tensor([1, 2, 5, 9, 7])

@@ -178,13 +178,20 @@ def main(argv=None) -> dict:
         raise SystemExit(f"tau: {error}") from None
     run = Run()
     depth = AdaptiveChain.max_depth if args.adaptive else tree.depth  # the deepest draft of any round
+    if depth + args.max_new_tokens >= target.max_position_embeddings:  # no prompt could fit: the tree's fault
+        raise SystemExit(f"tau: --tree {args.tree} drafts {depth} tokens deep: with --max-new-tokens "
+                         f"{args.max_new_tokens} that needs {depth + args.max_new_tokens} positions beyond the prompt, "
+                         f"and {target.name} has {target.max_position_embeddings}; use a shallower tree")
     bar = tqdm(items, unit="item", desc="tau", dynamic_ncols=True)  # on stderr: stdout keeps the report
     for index, item in bar:
         evaluate_item(target, proposer, item, index, settings, sampling, depth, run)
         bar.set_postfix_str(f"tau {run.stats.tau:.2f}, {run.spec_tokens} tokens")
     if not run.prompts:
-        raise SystemExit(f"tau: every prompt was skipped (longer than the context of {target.name}); "
-                         "lower --max-new-tokens or use shorter prompts")
+        first = run.skipped[0]
+        raise SystemExit(f"tau: every prompt was skipped: prompt + --max-new-tokens {args.max_new_tokens} + tree depth "
+                         f"{depth} exceed the context of {target.name} ({target.max_position_embeddings} positions; "
+                         f"the first prompt needed {first['needed_positions']}); lower --max-new-tokens, use "
+                         "shorter prompts or a shallower tree")
     extra = {"tree_auto": args.tree_auto} if args.tree_auto else None
     report = report_and_write(run, settings, tree.budget, torch.get_num_threads(), args.json, extra)
     if run.mismatches:
