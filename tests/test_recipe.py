@@ -40,10 +40,18 @@ def test_unknown_key_lists_valid_keys_and_suggests(tmp_path):
         load_recipe(path, schema=Schema)
 
 
-def test_unknown_nested_override_names_the_section(tmp_path):
+def test_a_mistake_in_an_override_is_the_command_lines_not_the_files(tmp_path):
     path = write(tmp_path, "target: t\n")
-    with pytest.raises(RecipeError, match=r"r.yaml:optim: unknown key 'rl' \(did you mean 'lr'\?\); valid keys: betas, lr"):
+    with pytest.raises(RecipeError, match=r"^override 'optim.rl=1' \(command line\): unknown key 'rl' \(did you mean "
+                                          r"'lr'\?\); valid keys of optim: betas, lr$"):
         load_recipe(path, ["optim.rl=1"], schema=Schema)
+    with pytest.raises(RecipeError, match=r"^override 'stpes=3' \(command line\): unknown key 'stpes' \(did you mean "
+                                          r"'steps'\?\)"):
+        load_recipe(path, ["stpes=3"], schema=Schema)
+    with pytest.raises(RecipeError, match=r"^override 'steps=three' \(command line\): expected int, got 'three'"):
+        load_recipe(path, ["steps=three"], schema=Schema)
+    with pytest.raises(RecipeError, match=r"^override 'target.x=1' \(command line\): target is a value, not a section"):
+        load_recipe(path, ["target.x=1"], schema=Schema)
 
 
 @pytest.mark.parametrize(

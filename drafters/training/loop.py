@@ -40,7 +40,7 @@ from drafters.checkpoint import (
 from drafters.training.data import Example, build_examples, collate
 from drafters.dtypes import DtypeName
 from drafters.files import data_sha256, disk_full, hold_lock
-from drafters.training.recipe import RecipeError, build, read_recipe, to_dict
+from drafters.training.recipe import RecipeError, build_overridden, check_override_key, read_recipe, to_dict
 from drafters.targets import Target, resolve_precision
 
 
@@ -151,7 +151,9 @@ def load_train_recipe(argv: list[str], schema, script: str, own_problems=None):
     drafter = raw.get("drafter")
     if isinstance(drafter, str) and FAMILY_SCRIPTS.get(drafter, script) != script:
         raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {FAMILY_SCRIPTS[drafter]}")
-    recipe = build(schema, raw, where=argv[0])
+    for override in argv[1:]:
+        check_override_key(schema, override)
+    recipe = build_overridden(schema, raw, argv[0], argv[1:])
     check_recipe(recipe, own_problems)
     return recipe
 

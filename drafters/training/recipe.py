@@ -37,7 +37,41 @@ def run_main(main) -> None:
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
-    return build(schema, read_recipe(path, overrides), where=str(path))
+    for override in overrides:
+        check_override_key(schema, override)
+    return build_overridden(schema, read_recipe(path, overrides), path, overrides)
+
+
+def build_overridden(schema: type[T], raw: dict, path, overrides: Sequence[str]) -> T:
+    """build(), where a mistake in a key=value override is said to be the command line's, not the file's
+    (check_override_key has checked the override keys)."""
+    try:
+        return build(schema, raw, where=str(path))
+    except RecipeError as err:
+        for override in overrides:
+            prefix = f"{path}:" + override.partition("=")[0].strip().replace(".", ":")
+            if str(err).startswith(prefix):  # the offending value came from this override
+                raise RecipeError(f"override {override!r} (command line){str(err)[len(prefix):]}") from None
+        raise
+
+
+def check_override_key(schema: type, override: str) -> None:
+    """An override's dotted key must name a field of the schema (a typo is the command line's, not the file's)."""
+    key = override.partition("=")[0].strip()
+    node = schema
+    for depth, part in enumerate(key.split(".")):
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else None
+        if fields is None:
+            raise RecipeError(f"override {override!r} (command line): {'.'.join(key.split('.')[:depth])} is a value, "
+                              "not a section")
+        if part not in fields:
+            close = difflib.get_close_matches(part, fields, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise RecipeError(f"override {override!r} (command line): unknown key {part!r}{hint}; valid keys"
+                              + (f" of {'.'.join(key.split('.')[:depth])}" if depth else "")
+                              + f": {', '.join(sorted(fields))}")
+        hint_type = typing.get_type_hints(node)[part]
+        node = next((a for a in (hint_type, *typing.get_args(hint_type)) if dataclasses.is_dataclass(a)), hint_type)
 
 
 def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
