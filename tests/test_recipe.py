@@ -75,3 +75,15 @@ def test_bad_recipes_fail_with_the_key(tmp_path, text, overrides, message):
 def test_missing_file(tmp_path):
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml", schema=Schema)
+
+
+def test_ctrl_c_at_start_up_is_a_sentence_not_a_traceback(capsys):
+    from drafters.training.recipe import run_main
+
+    def main(argv):  # as if Ctrl-C arrived while the target loads, before the loop's handler exists
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stopped:
+        run_main(main)
+    assert stopped.value.code == 130 and stopped.value.__context__ is None or stopped.value.__suppress_context__
+    assert "interrupted (Ctrl-C); what was saved before is intact" in capsys.readouterr().err
