@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from drafters.dtypes import DtypeName
 from drafters.engines import llama_cpp
-from drafters.engines.openai_api import OpenAIServer, RowFailure, ServerError, with_retries
+from drafters.engines.openai_api import OpenAIServer, Rejected, RowFailure, ServerError, with_retries
 from drafters.export.llama_cpp import TARGET_WEIGHTS, target_gguf
 from drafters.files import hold_lock
 from drafters.training.data import DataError, RowError, load_conversations, render
@@ -316,10 +316,15 @@ def probe(client: OpenAIServer, model: str, target, recipe: Recipe, where: str) 
     for question in PROBE_QUESTIONS:
         messages = [{"role": "user", "content": question}]
         prompt = tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        greedy = {"temperature": 0.0, "max_tokens": PROBE_TOKENS, "logprobs": 1, "return_tokens_as_token_ids": True}
+        greedy = {"temperature": 0.0, "max_tokens": PROBE_TOKENS}
+        extras = {"logprobs": 1, "return_tokens_as_token_ids": True}  # ids and log-probs where the server gives them
         try:
-            reply = with_retries(lambda: ask(client, model, recipe, target, messages, prompt, greedy),
-                                 retries=recipe.retries, backoff=recipe.backoff)
+            try:
+                reply = with_retries(lambda: ask(client, model, recipe, target, messages, prompt, {**greedy, **extras}),
+                                     retries=recipe.retries, backoff=recipe.backoff)
+            except Rejected:  # a strict server refusing the extras: the plain request
+                reply = with_retries(lambda: ask(client, model, recipe, target, messages, prompt, greedy),
+                                     retries=recipe.retries, backoff=recipe.backoff)
         except RowFailure as err:
             raise ServerError(f"{where}: the probe request failed ({err})") from None
         if recipe.api == "chat" and reply.prompt_tokens != len(prompt):
