@@ -6,7 +6,8 @@ and eval/tau.py's speedup model inverts (drafters.decode.evaluate).
 
 acc_k = P(draft k accepted | drafts 1..k-1 accepted); the 1 is the bonus token every round commits. With
 one rate a at every step, tau = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a), a closed form that also
-reads for a real K (a mean drafted depth). Trees generalise it: drafters.training.heads_tree.expected_tau.
+reads for a real K (a mean drafted depth). Trees generalise it: `tree_tau`, with rates by depth and rank.
+`depth_acceptance` is the measured side: per depth, the rounds that accepted it over those that drafted it.
 """
 
 import math
@@ -21,3 +22,22 @@ def chain_tau(accuracy: Sequence[float]) -> float:
 def geometric_chain_tau(a: float, k: float) -> float:
     # chain_tau([a] * k) for a in [0, 1], any real k >= 0: (1 - a^(k+1)) / (1 - a), k + 1 at a = 1
     return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def path_probability(path: Sequence[int], rates: Sequence[Sequence[float]]) -> float:
+    # path = the ranks of a node's ancestors-or-self among their siblings, root's child first;
+    # P(node accepted) = prod_d rates[d][rank_d]; 0 where the table has no such depth or rank
+    return math.prod(rates[d][r] if d < len(rates) and r < len(rates[d]) else 0.0 for d, r in enumerate(path))
+
+
+def tree_tau(paths, rates: Sequence[Sequence[float]]) -> float:
+    """Expected tau of a draft tree given as its nodes' rank paths: 1 + sum over nodes of P(node accepted),
+    with independent acceptance by depth and rank (rates[d][r]: the rank-r child at depth d + 1)."""
+    return 1.0 + sum(path_probability(p, rates) for p in paths)
+
+
+def depth_acceptance(accepted: Sequence[int], depths: Sequence[int]) -> list[float]:
+    """[d - 1] = rounds that accepted depth d / rounds whose tree reached depth d, d = 1 .. deepest;
+    accepted[i], depths[i]: round i's accepted drafts and its tree's depth."""
+    deepest = max(depths, default=0)
+    return [sum(a >= d for a in accepted) / max(sum(t >= d for t in depths), 1) for d in range(1, deepest + 1)]

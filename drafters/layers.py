@@ -97,7 +97,3 @@ class DraftKVCache:
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
-    def select(self, slots: Tensor) -> None:
-        """Keep cache slots `slots` (S',) in that order (compaction after tree verification)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, slots], self.values[:, :, slots]

@@ -51,9 +51,10 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from drafters.acceptance import depth_acceptance, tree_tau
 from drafters.checkpoint import CONFIG_FILE
 from drafters.decode.benches import render_prompt
-from drafters.decode.decoder import speculative_generate, tree_forward
+from drafters.decode.decoder import speculative_generate, synced_clock, tree_forward
 from drafters.decode.sampling import SamplingConfig
 from drafters.decode.tree import Tree, parse_tree_spec
 
@@ -141,18 +142,18 @@ class Recorder:
         self.tree = None
 
     def propose(self, context, pending, sampling):
-        start = _sync(context.device)
+        start = synced_clock(context.device)
         tree = self.proposer.propose(context, pending, sampling)
-        self.propose_s.append(_sync(context.device) - start)
+        self.propose_s.append(synced_clock(context.device) - start)
         self.tree = tree
         self.shapes.append(tuple(tree.parent_list))
         return tree
 
     def update(self, new_tokens, features, pending) -> None:
         # new_tokens = old pending + accepted drafts: the true path, as far as the tree had it
-        start = _sync(new_tokens.device)
+        start = synced_clock(new_tokens.device)
         self.proposer.update(new_tokens, features, pending)
-        self.update_s.append(_sync(new_tokens.device) - start)
+        self.update_s.append(synced_clock(new_tokens.device) - start)
         self.counts.rounds += 1
         tree, node = self.tree, 0
         tokens = tree.tokens.tolist()
@@ -165,12 +166,6 @@ class Recorder:
             node = children[rank]
         if tree.children[node]:  # drafted one level deeper and none was accepted
             self.counts.add(len(new_tokens), None, len(tree.children[node]))
-
-
-def _sync(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def checkpoint_rates(proposer_spec: str) -> list[list[float]] | None:
@@ -189,15 +184,11 @@ def checkpoint_rates(proposer_spec: str) -> list[list[float]] | None:
 def expected_tau(rates: list[list[float]], parents) -> float:
     """1 + sum over draft nodes of the product of p(depth, rank) along the path (module docstring).
     parents: the tree's parent list (-1 for the root, parents before children)."""
-    reach, depth, seen, total = [1.0], [0], {}, 1.0
+    paths, seen = [()], {}  # paths[i]: node i's ranks among its siblings, from the root's child down
     for i, p in enumerate(parents[1:], start=1):
         rank = seen[p] = seen.get(p, -1) + 1  # index among p's children, in node order
-        d = depth[p] + 1
-        rate = rates[d - 1][rank] if d <= len(rates) and rank < len(rates[d - 1]) else 0.0
-        reach.append(reach[p] * rate)
-        depth.append(d)
-        total += reach[i]
-    return total
+        paths.append(paths[p] + (rank,))
+    return tree_tau(paths[1:], rates)
 
 
 def interpolate(grid: dict[int, float], n: float) -> float:
@@ -360,7 +351,7 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
     rows = predict(probes, rates, verify_ms, generate_ms)
     cal = {"tree": calibration_tree, "prompts": len(calibration), "rounds": cal_rounds,
            "tau": sum(a + 1 for a in cal_accepted) / max(cal_rounds, 1),
-           "depth_acceptance": _depth_acceptance(cal_accepted, cal_depths)}
+           "depth_acceptance": depth_acceptance(cal_accepted, cal_depths)}
     return AutoResult(rows, source, rates, verify_ms, generate_ms, context.numel(), cal, skipped)
 
 
@@ -390,11 +381,6 @@ def _prompts(target, items, count: int, max_new_tokens: int) -> list[torch.Tenso
     return out
 
 
-def _depth_acceptance(accepted: list[int], depths: list[int]) -> list[float]:
-    deepest = max(depths, default=0)
-    return [sum(a >= d for a in accepted) / max(sum(t >= d for t in depths), 1) for d in range(1, deepest + 1)]
-
-
 @torch.no_grad()
 def time_verify(model, context: torch.Tensor, grid, hidden_states: bool, warmup: int = 2,
                 repeats: int = 5) -> dict[int, float]:
@@ -409,9 +395,9 @@ def time_verify(model, context: torch.Tensor, grid, hidden_states: bool, warmup:
     times = {n: [] for n in grid}
     for _ in range(warmup + repeats):  # round-robin over n: a change in machine load hits every n alike
         for n, tree in trees.items():
-            start = _sync(device)
+            start = synced_clock(device)
             tree_forward(model, cache, tree, hidden_states=hidden_states)
-            times[n].append(_sync(device) - start)
+            times[n].append(synced_clock(device) - start)
             for layer in cache.layers:  # back to `past` (DynamicCache.crop's meaning changed across versions)
                 layer.keys, layer.values = layer.keys[:, :, :past], layer.values[:, :, :past]
     return {n: 1e3 * statistics.median(t[warmup:]) for n, t in times.items()}
@@ -423,11 +409,11 @@ def time_generate(target, prompt: torch.Tensor, warmup: int = 1, repeats: int = 
     ids = prompt[None].to(target.device)
 
     def run(n: int) -> float:
-        start = _sync(target.device)
+        start = synced_clock(target.device)
         target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                               min_new_tokens=n, pad_token_id=target.tokenizer.pad_token_id,
                               eos_token_id=sorted(target.eos_token_ids))
-        return _sync(target.device) - start
+        return synced_clock(target.device) - start
 
     for _ in range(warmup):
         run(2)

@@ -19,6 +19,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from drafters.acceptance import depth_acceptance
 from drafters.decode.proposers import Proposer, TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import Tree
@@ -47,10 +48,7 @@ class RoundStats:
 
     def depth_acceptance(self) -> list[float]:
         # [d - 1] = rounds that accepted depth d / rounds that drafted depth d
-        deepest = max(self.tree_depths, default=0)
-        drafted = [sum(t >= d for t in self.tree_depths) for d in range(1, deepest + 1)]
-        hit = [sum(a >= d for a in self.accepted) for d in range(1, deepest + 1)]
-        return [h / n for h, n in zip(hit, drafted)]
+        return depth_acceptance(self.accepted, self.tree_depths)
 
 
 # ---------------------------------------------------------------- target forward over a tree
@@ -197,11 +195,11 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
     t0 = perf_counter()
     context = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long, device=device)])  # (T,) = cache
     tree = _on(proposer.propose(context, pending, sampling), device, pending)
-    t1 = _sync(device)
+    t1 = synced_clock(device)
     past = cache.get_seq_length()
     out = tree_forward(model, cache, tree, hidden_states=needs.any)
     logits = out.logits[0]  # (N, V)
-    t2 = _sync(device)
+    t2 = synced_clock(device)
     if sampling.greedy:
         path, bonus = verify_greedy(tree, logits)
     else:
@@ -215,9 +213,9 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
     if not _finished(generated, eos, max_new_tokens):  # the last round needs no cache or proposer update
         keep = torch.tensor(path, device=device)
         compact_cache(cache, past, keep)
-        t3 = _sync(device)
+        t3 = synced_clock(device)
         proposer.update(tree.tokens[keep], _features(out, pre_norm, needs, keep), bonus)
-    t4 = _sync(device)
+    t4 = synced_clock(device)
     stats.draft_s += (t1 - t0) + (t4 - t3)
     stats.verify_s += t2 - t1
     stats.other_s += t3 - t2
@@ -247,7 +245,7 @@ def _on(tree: Tree, device, pending: int) -> Tree:
     return Tree(tree.tokens.to(device), tree.parents.to(device), probs)
 
 
-def _sync(device) -> float:
+def synced_clock(device) -> float:
     # timing only: CUDA kernels are asynchronous, so wait for them at phase boundaries
     if device.type == "cuda":
         torch.cuda.synchronize(device)

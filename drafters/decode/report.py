@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 @dataclass
 class Entry:
     label: str  # unique, shown in legends and the table
-    family: str  # eagle3 | eagle1 | medusa | blockwise | baseline
+    family: str  # a drafters.registry.FAMILIES name, or baseline
     source: str  # checkpoint directory or proposer spec
     runs: list[dict] = field(default_factory=list)  # eval/tau.py reports at the main tree
     sweep: list[dict] = field(default_factory=list)  # eval/tau.py reports over tree budgets

@@ -25,9 +25,9 @@ the root, as everywhere in drafters.decode.tree. Knows nothing about models.
 
 import heapq
 import itertools
-import math
 from dataclasses import dataclass
 
+from drafters.acceptance import tree_tau
 from drafters.decode.tree import TreeShape
 
 
@@ -52,13 +52,9 @@ def accuracy_table(hits, counts) -> list[list[float]]:
     return [[h / c if c else 0.0 for h in row] for row, c in zip(hits, counts)]
 
 
-def node_probability(path, acc: list[list[float]]) -> float:
-    return math.prod(acc[d][r] if r < len(acc[d]) else 0.0 for d, r in enumerate(path))
-
-
 def expected_tau(paths, acc: list[list[float]]) -> float:
     _check_depth(paths, acc)
-    return 1.0 + sum(node_probability(p, acc) for p in paths)
+    return tree_tau(paths, acc)
 
 
 def greedy_tree(acc: list[list[float]], budget: int) -> HeadsTree:

@@ -138,8 +138,8 @@ class TrainRecipe:
 
 
 # The entry script that trains each drafter family.
-FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "medusa": "train/heads.py",
-                  "blockwise": "train/heads.py"}
+FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "dflash": "train/eagle.py",
+                  "medusa": "train/heads.py", "blockwise": "train/heads.py"}
 
 
 def load_train_recipe(argv: list[str], schema, script: str, own_problems=None):

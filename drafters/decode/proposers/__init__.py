@@ -47,6 +47,3 @@ class Proposer(Protocol):
         # new_tokens (a,) just committed (old pending + accepted drafts); pending = the next root
         ...
 
-
-# name -> proposer class; filled by the proposer modules of this package (prompt_lookup, draft_model, ...)
-PROPOSERS: dict[str, type] = {}

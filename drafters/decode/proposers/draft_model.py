@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from drafters.decode.proposers import PROPOSERS, TargetNeeds
+from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask
 
@@ -174,6 +174,3 @@ def _sliding_window(config) -> int | None:
     if "sliding_attention" in layer_types:
         return config.sliding_window
     return None
-
-
-PROPOSERS["draft-model"] = DraftModelProposer

@@ -28,7 +28,6 @@ from typing import Callable
 from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.files import dir_sha256
-from drafters.decode.proposers import PROPOSERS
 from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
 from drafters.decode.proposers.draft_model import DraftModelProposer
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
@@ -41,7 +40,7 @@ from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
                   "<drafter checkpoint directory>[:aux_layers=A,B,C]", "<drafter directory>+prompt-lookup[:options]")
 DRAFTER_OPTIONS = ("aux_layers",)  # DIR:option=value: see split_drafter_spec
-# Trained drafters register here, one entry per family (EAGLE-1, Medusa, Blockwise to come):
+# Trained drafters register here, one entry per family of drafters.registry.FAMILIES:
 # native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
 # match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
 FAMILY_LOADERS: dict[str, Callable] = {
@@ -82,8 +81,7 @@ def load_proposer(spec: str, target, tree: TreeSpec):
     path, options = split_drafter_spec(spec)
     if path.is_dir():
         return load_checkpoint(path, target, tree, **options)
-    raise ValueError(f"unknown proposer {spec!r}: use one of {', '.join(PROPOSER_SPECS)} "
-                     f"(registered names: {', '.join(sorted(PROPOSERS))})")
+    raise ValueError(f"unknown proposer {spec!r}: use one of {', '.join(PROPOSER_SPECS)}")
 
 
 def split_drafter_spec(spec: str) -> tuple[Path, dict]:

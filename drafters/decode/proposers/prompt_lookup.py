@@ -14,7 +14,7 @@ The proposer knows nothing about the target model: it reads only token ids.
 import torch
 from torch import Tensor
 
-from drafters.decode.proposers import PROPOSERS, TargetNeeds
+from drafters.decode.proposers import TargetNeeds
 from drafters.decode.tree import Tree, merge_trees
 
 MAX_MATCHES_PER_NGRAM = 64  # matches examined per n-gram size, best first
@@ -112,6 +112,3 @@ class PromptLookupProposer:
 
     def update(self, new_tokens: Tensor, features=None, pending: int | None = None) -> None:
         pass
-
-
-PROPOSERS["prompt-lookup"] = PromptLookupProposer
