@@ -293,7 +293,8 @@ def test_no_build_falls_back_to_in_process(regenerate, tmp_path, monkeypatch, ca
         regenerate.main([RECIPE, f"output={output}", "engine=llama-server"])
 
 
-def test_ctrl_c_stops_the_local_server_and_leaves_whole_rows(tiny, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; a scheduler's or kill's SIGTERM
+def test_ctrl_c_stops_the_local_server_and_leaves_whole_rows(tiny, tmp_path, stop):
     target, gguf, _ = tiny
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{q} ({i})"}) + "\n"
@@ -308,7 +309,7 @@ def test_ctrl_c_stops_the_local_server_and_leaves_whole_rows(tiny, tmp_path):
                 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert server_processes(gguf), "the script's llama-server is not running mid-run"
-        child.send_signal(signal.SIGINT)
+        child.send_signal(stop)
         try:
             log, _ = child.communicate(timeout=30)
         except subprocess.TimeoutExpired:
