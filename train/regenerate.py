@@ -33,7 +33,9 @@ def main(argv: list[str]) -> Stats:
     try:
         regenerate(recipe, stats)
     except KeyboardInterrupt:  # the server (if started here) is already stopped: its `with` block has exited
-        print(f"\nregenerate: interrupted; {stats.written} rows written this run, {stats.resumed + stats.written} in "
+        print()
+        print_report(stats, Path(recipe.output), recipe)  # what this run did before it stopped
+        print(f"regenerate: interrupted; {stats.written} rows written this run, {stats.resumed + stats.written} in "
               f"{recipe.output} in all. Re-run the same command to continue where it stopped", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
