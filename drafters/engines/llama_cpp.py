@@ -279,7 +279,7 @@ class LlamaServer:
         if self.process is not None and self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=15)
+                self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
