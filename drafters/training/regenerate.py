@@ -33,6 +33,7 @@ import json
 import os
 import queue
 import re
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -140,13 +141,17 @@ def regenerate(recipe: Recipe, stats: Stats) -> Stats:
         gguf = local_gguf(recipe, target)
         threads = recipe.server_threads or recipe.threads or torch.get_num_threads()  # OMP_NUM_THREADS or all cores
         ctx = recipe.concurrency * (recipe.max_prompt_length + recipe.max_new_tokens + 8)  # per slot: ctx/slots
-        extra = ("--jinja", "--chat-template-file", template_file(target)) if recipe.api == "chat" else ()
         print(f"regenerate: starting llama-server on {gguf.name} ({recipe.concurrency} slots, {threads} threads)")
-        with llama_cpp.LlamaServer(gguf, threads=threads, ctx=ctx, slots=recipe.concurrency,
-                                   alias=served_name(target.name), extra=extra) as server:
-            client = OpenAIServer(server.url, timeout=recipe.request_timeout)
-            run_server(client, target, todo, recipe, output, stats, where=f"llama-server ({gguf})",
-                       alive=server.alive, log_tail=server.log_tail, weights=gguf.name)
+        with tempfile.TemporaryDirectory(prefix="regenerate-") as tmp:
+            extra = ()
+            if recipe.api == "chat":  # the server applies the target's own template (checked by the probe)
+                (Path(tmp) / "template.jinja").write_text(target.tokenizer.chat_template)
+                extra = ("--jinja", "--chat-template-file", str(Path(tmp) / "template.jinja"))
+            with llama_cpp.LlamaServer(gguf, threads=threads, ctx=ctx, slots=recipe.concurrency,
+                                       alias=served_name(target.name), extra=extra) as server:
+                client = OpenAIServer(server.url, timeout=recipe.request_timeout)
+                run_server(client, target, todo, recipe, output, stats, where=f"llama-server ({gguf})",
+                           alive=server.alive, log_tail=server.log_tail, weights=gguf.name)
     return stats
 
 
@@ -226,12 +231,6 @@ def served_name(name: str) -> str:
 
 def _squash(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", served_name(name).lower())
-
-
-def template_file(target) -> str:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"drafters-template-{os.getpid()}.jinja"
-    path.write_text(target.tokenizer.chat_template)
-    return str(path)
 
 
 def local_gguf(recipe: Recipe, target) -> Path:
