@@ -1,7 +1,7 @@
 """Regeneration speed: generated tokens/s in-process (Hugging Face generate, batched) against llama-server (its
 parallel slots batched into one forward per step), on the same prompts, at each thread count and parallelism.
 
-    python eval/regen_speed.py --target smollm2-135m-instruct --data ../shared/data/train_prompts.jsonl \
+    python eval/regen_speed.py --target smollm2-135m-instruct --data train_prompts.jsonl \
         --prompts 16 --max-new-tokens 128 --threads 1,2 --parallel 1,4,8 --gguf shipped,f32 --repeats 2 \
         [--json report.json]
 
@@ -58,7 +58,8 @@ def overrides(setting: dict, args, output: Path) -> list[str]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "train_prompts.jsonl"))
+    p.add_argument("--data", default=str(ROOT / "recipes" / "prompts" / "quickstart.jsonl"),
+                   help="prompts (any format train/regenerate.py reads); default: the quickstart's 320")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", default="1,2")
