@@ -43,7 +43,6 @@ This module runs the decoder and proposers; it knows nothing about eval/tau.py's
 import argparse
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable

@@ -15,7 +15,7 @@ import random
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from drafters.errors import UserError
 
@@ -111,7 +111,7 @@ def _reply(out: dict, chat: bool) -> Reply:
         raise Transient("malformed JSON", f"no reply text in {str(out)[:120]}") from None
     ids, logprobs = reply_ids(choice.get("logprobs"))
     if ids is not None:
-        reply = Reply(reply.text, reply.prompt_tokens, reply.completion_tokens, reply.finish_reason, ids, logprobs)
+        reply = replace(reply, token_ids=ids, logprobs=logprobs)
     if not isinstance(reply.text, str) or not reply.text.strip():
         raise Transient("empty reply", f"finish_reason={reply.finish_reason}")
     return reply
