@@ -115,6 +115,10 @@ def ttt_attention_mask(seq_len: int, step: int, device=None) -> Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
+LLAMA_LAYER_WEIGHTS = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")} \
+    | {"input_layernorm.weight", "post_attention_layernorm.weight"}
+
+
 class Eagle3Drafter(nn.Module):
     """The four verbs (SpecForge v0.1): embed ids (the caller's `embed`: the target's frozen
     embedding), project hidden states (`fc`), backbone (`midlayer`), compute logits."""
@@ -151,6 +155,31 @@ class Eagle3Drafter(nn.Module):
         if draft_vocab is not None:
             self.set_draft_vocab(draft_vocab)
         self.lm_head.weight.copy_(lm_head_weight[self.draft_vocab.used.to(lm_head_weight.device)])
+
+    @torch.no_grad()
+    def init_layer_from(self, layer: nn.Module) -> None:
+        """midlayer <- a target decoder layer of the same width (a Llama-style layer: self_attn.{q,k,v,o}_proj,
+        mlp, input_layernorm, post_attention_layernorm). The drafter's q/k/v read cat(input_layernorm(embed),
+        hidden_norm(hidden)) (2h): their hidden half [:, h:] and hidden_norm take the target layer's q/k/v
+        and input_layernorm, so on the hidden stream alone the drafter starts as that layer; the embed
+        half starts at zero (gradients still reach it). o_proj, the MLP and post_attention_layernorm copy."""
+        mine, h = self.midlayer, self.config.hidden_size
+        extra = sorted({name for name, _ in layer.named_parameters()} - LLAMA_LAYER_WEIGHTS)
+        if extra:
+            raise ValueError(f"init_layer copies a Llama-style decoder layer; this target's layer also has {extra}, "
+                             "which the EAGLE-3 drafter layer has no place for: leave init_layer unset")
+        for name in ("q_proj", "k_proj", "v_proj"):
+            src, dst = getattr(layer.self_attn, name).weight, getattr(mine.self_attn, name).weight
+            if src.shape != (dst.shape[0], h):
+                raise ValueError(f"target layer's self_attn.{name} is {tuple(src.shape)}, the drafter's hidden half "
+                                 f"is {(dst.shape[0], h)}: init_layer needs a layer of the target's own shape")
+            dst.zero_()
+            dst[:, h:].copy_(src)
+        mine.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+        mine.input_layernorm.weight.fill_(1.0)
+        mine.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+        mine.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+        mine.mlp.load_state_dict({k: v.to(mine.mlp.gate_proj.weight.dtype) for k, v in layer.mlp.state_dict().items()})
 
     def project_hidden_states(self, features: Tensor) -> Tensor:
         return self.fc(features)  # (B, T, n*h) -> (B, T, h)

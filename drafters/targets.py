@@ -123,6 +123,7 @@ class Target:
     embed_tokens = property(lambda self: self.model.get_input_embeddings())
     lm_head = property(lambda self: self.model.get_output_embeddings())
     final_norm = property(lambda self: final_norm_of(self.model))
+    decoder_layers = property(lambda self: self.model.base_model.layers)  # nn.ModuleList, layer k reads hidden_states[k]
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -315,3 +315,29 @@ def test_config_from_targets(tiny_llama, tiny_gemma3):
         Eagle3Config.from_target_config(target, 100, layers=[2, 2, 5])
     with pytest.raises(ValueError, match="draft_vocab_size"):
         Eagle3Config.from_target_config(target, 101)
+
+
+def test_init_layer_from_target_makes_the_hidden_stream_that_layer(tiny_llama):
+    """With the embed half of q/k/v at zero, the drafter's layer on hidden x computes exactly the target
+    layer on x (same RoPE, causal attention): the init copies every weight to its place."""
+    model, _ = tiny_llama
+    drafter = Eagle3Drafter(Eagle3Config.from_target_config(model.config, 64))
+    layer = model.model.layers[-1]
+    drafter.init_layer_from(layer)
+    torch.manual_seed(0)
+    x, embeds = torch.randn(2, 7, model.config.hidden_size), torch.randn(2, 7, model.config.hidden_size)
+    positions = torch.arange(7)[None]
+    with torch.no_grad():
+        mine, _ = drafter.backbone(embeds, x, positions, None, torch.ones(7, 7, dtype=torch.bool).tril())
+        cos_sin = model.model.rotary_emb(x, positions)
+        theirs = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert drafter.midlayer.self_attn.q_proj.weight[:, :model.config.hidden_size].abs().sum() == 0
+
+
+def test_init_layer_refuses_a_layer_it_cannot_hold(tiny_gemma3):
+    model, _ = tiny_gemma3
+    drafter = Eagle3Drafter(Eagle3Config.from_target_config(model.config, 64))
+    with pytest.raises(ValueError, match="Llama-style.*leave init_layer unset"):
+        drafter.init_layer_from(model.model.layers[-1])

@@ -77,6 +77,8 @@ def test_all_problems_are_named_at_once():
     # a family that does not read the field refuses it rather than training without it
     ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1.0 is read by drafter: eagle3 only, not eagle1"),
     ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1.0 is read by drafter: eagle3 only, not dflash"),
+    ("recipes/dflash_tiny.yaml", "init_layer=-1", "init_layer=-1 is read by drafter: eagle3 only, not dflash"),
+    ("recipes/eagle1_tiny.yaml", "eval_ttt_steps=3", "eval_ttt_steps=3 is read by drafter: eagle3 only, not eagle1"),
 ])
 def test_tv_weight_is_refused_where_it_would_be_wrong_or_ignored(recipe, override, message):
     from drafters.training.recipe import RecipeError

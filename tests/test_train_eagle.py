@@ -114,6 +114,17 @@ def test_held_out_evaluation(run):
     assert final["tau_pred"] == pytest.approx(1 + sum(math.prod(accuracy[:k]) for k in range(1, TTT_STEPS + 1)))
 
 
+def test_held_out_depth_is_set_apart_from_the_training_depth(eagle, run, tmp_path):
+    """eval_ttt_steps=5 scores a drafter trained at ttt_steps=2 on 5 chain steps; training does not read it,
+    so its first 2 steps' accuracies equal the default (2-step) evaluation's of the same run."""
+    common = [RECIPE, f"data.path={DATA}", "max_steps=2", "ttt_steps=2"]
+    deep = eagle.main([*common, "eval_ttt_steps=5", f"output_dir={tmp_path / 'deep'}"]).eval
+    shallow = eagle.main([*common, f"output_dir={tmp_path / 'shallow'}"]).eval
+    assert len(deep["step_acc"]) == 5 and len(shallow["step_acc"]) == 2
+    assert deep["step_acc"][:2] == shallow["step_acc"]
+    assert deep["tau_pred"] == pytest.approx(1 + sum(math.prod(deep["step_acc"][:k]) for k in range(1, 6)))
+
+
 @pytest.mark.parametrize("override, error, message", [
     ("unknown_key=1", RecipeError, "unknown key 'unknown_key'"),
     ("optim.lrr=0.1", RecipeError, "did you mean 'lr'"),
@@ -122,6 +133,8 @@ def test_held_out_evaluation(run):
     ("draft_vocab_size=0", RecipeError, "draft_vocab_size=0 must be >= 1"),
     ("draft_vocab_size=-5", RecipeError, "draft_vocab_size=-5 must be >= 1"),
     ("epochs=null", RecipeError, "set epochs or max_steps"),
+    ("eval_ttt_steps=0", RecipeError, "eval_ttt_steps=0 must be >= 1 or null"),
+    ("init_layer=8", RecipeError, r"init_layer=8 is not a decoder layer of .* \(8 layers: 0 \.\. 7, or -1"),
 ])
 def test_bad_recipe_values_fail_clearly(eagle, tmp_path, override, error, message):
     overrides = [f"output_dir={tmp_path}", override]

@@ -28,6 +28,7 @@ from drafters.targets import Target
 from drafters.training.dflash import DFlashOptions, check_dflash
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1, eagle1_inputs_fn
 from drafters.training.loop import TrainRecipe
+from drafters.training.recipe import RecipeError
 
 
 @dataclass(kw_only=True)
@@ -44,12 +45,18 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     # EAGLE-3 only: each position's loss adds tv_weight x the total variation distance between the target's
     # and the draft's distributions (1 - P(a sampled draft is accepted); drafters.losses.soft_cross_entropy)
     tv_weight: float = 0.0
+    # EAGLE-3 only: the drafter's decoder layer starts as this target decoder layer (an index into the target's
+    # layers, -1 = the last; Eagle3Drafter.init_layer_from), not random; null = random (SpecForge's start)
+    init_layer: int | None = None
+    # the held-out evaluation's chain depth (evaluate_eagle3); null = ttt_steps. Set it to compare runs trained
+    # at different depths on one scale
+    eval_ttt_steps: int | None = None
     dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash only
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
     def unread_fields(self) -> frozenset[str]:
-        own = {"eagle3": {"ttt_steps", "step_weight", "tv_weight"}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
+        own = {"eagle3": {"ttt_steps", "step_weight", "tv_weight", "init_layer", "eval_ttt_steps"}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
         return frozenset(set().union(*own.values()) - own[self.drafter])
 
 
@@ -64,6 +71,12 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
     elif recipe.tv_weight and "tv_weight" in recipe.unread_fields():
         problems.append(f"tv_weight={recipe.tv_weight} is read by drafter: eagle3 only, not {recipe.drafter}; "
                         "remove it or set it to 0")
+    if recipe.eval_ttt_steps is not None and recipe.eval_ttt_steps < 1:
+        problems.append(f"eval_ttt_steps={recipe.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
+    for name in ("init_layer", "eval_ttt_steps"):
+        if getattr(recipe, name) is not None and name in recipe.unread_fields():
+            problems.append(f"{name}={getattr(recipe, name)} is read by drafter: eagle3 only, not {recipe.drafter}; "
+                            "remove it or set it to null")
     if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
         problems.append(f"draft_vocab_coverage={recipe.draft_vocab_coverage} must be in (0, 1] or null "
                         "(null = draft_vocab_size as given)")
@@ -84,6 +97,15 @@ def build_eagle3_drafter(recipe: EagleRecipe, target: Target, vocab: DraftVocab)
     config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers)
     drafter = Eagle3Drafter(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
+    if recipe.init_layer is not None:
+        layers = target.decoder_layers
+        if not -len(layers) <= recipe.init_layer < len(layers):
+            raise RecipeError(f"init_layer={recipe.init_layer} is not a decoder layer of {target.name} "
+                              f"({len(layers)} layers: 0 .. {len(layers) - 1}, or -1 for the last)")
+        try:
+            drafter.init_layer_from(layers[recipe.init_layer])
+        except ValueError as err:
+            raise RecipeError(f"init_layer={recipe.init_layer}: {err}") from None
     return drafter
 
 
@@ -207,7 +229,7 @@ def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], 
     estimates P(draft k accepted | drafts 1..k-1 accepted) and tau_pred the mean accepted length
     (bonus token included) of a greedy chain of K drafts. It ignores trees and sampling."""
     drafter.eval()
-    steps = recipe.ttt_steps
+    steps = recipe.eval_ttt_steps or recipe.ttt_steps
     correct, counted, supervised = (torch.zeros(steps, device=accelerator.device) for _ in range(3))
     loss = torch.zeros((), device=accelerator.device)
     for batch in batches:

@@ -1,0 +1,165 @@
+"""Ablations of the EAGLE-3 recipe at an equal budget, from one offline feature store (a benchmark, not a test).
+
+    python train/features.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2_regen threads=1
+    python eval/ablate.py --features outputs/features/smollm2_regen --budget 240 --out outputs/ablate
+    python eval/ablate.py --features ... --settings specforge,lr1e-3 --mt-bench 20   # + MT-bench chain tau
+
+Every setting is a real run of train/eagle.py (the recipe, then the common overrides, then the setting's own)
+in a child process, one after another, each on `--threads` threads. The target runs once: all settings
+stream the same stored features, so they see the same training conversations and the same held-out rows.
+
+    budget        training conversations per run: max_steps = budget / (batch_size x grad_accum), so a
+                  setting with smaller batches takes more, smaller steps over the same tokens
+    tau_pred@K    held-out 1 + sum_k prod_(j<=k) acc_j over the first K TTT steps (drafters.training.eagle3
+                  evaluate_eagle3, at eval_ttt_steps=7 whatever the setting trains at); acc_1 = first draft
+    mt-bench      with --mt-bench N: tau of a greedy chain of --chain drafts on the first N MT-bench
+                  questions (turn 1, 128 new tokens) in this project's decoder (eval/tau.py)
+    cpu_s         the training run's wall time x threads (start-up and the final evaluation included)
+
+Results go to OUT/results.json (one entry per setting, rewritten after each) and a markdown table to
+OUT/results.md; a rerun skips settings whose entry was made by the same command, so it resumes after an
+interruption (a half-finished run is started over: its output_dir is overwritten).
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from drafters.acceptance import chain_tau
+from drafters.files import write_text_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/eagle3_smollm2.yaml"
+# SpecForge's EAGLE-3 defaults (TTT 7, draft vocab 32000, lr 1e-4 with its warmup) on this recipe's batches
+SPECFORGE = ["ttt_steps=7", "draft_vocab_size=32000", "optim.lr=1e-4", "optim.warmup_steps=50"]
+FAST = ["optim.lr=1e-3", "optim.warmup_steps=5"]  # the small-budget learning rate (settled by the lr rows)
+SETTINGS = {  # name -> (what it tests, overrides after the common ones)
+    "specforge": ("SpecForge defaults: TTT 7, vocab 32000, lr 1e-4, warmup 50", SPECFORGE),
+    "vocab16k": ("the recipe's 16k draft vocabulary, else SpecForge's", [*SPECFORGE, "draft_vocab_size=16000"]),
+    "lr3e-4": ("(a) lr 3e-4, warmup 5", ["optim.lr=3e-4", "optim.warmup_steps=5"]),
+    "lr1e-3": ("(a) lr 1e-3, warmup 5", FAST),
+    "lr3e-3": ("(a) lr 3e-3, warmup 5", ["optim.lr=3e-3", "optim.warmup_steps=5"]),
+    "lr1e-3-b2": ("(a) lr 1e-3, batch 2 x 1 (4x the steps)", [*FAST, "batch_size=2", "grad_accum=1"]),
+    "ttt3": ("(b) TTT 3 steps, lr 1e-3", [*FAST, "ttt_steps=3"]),
+    "ttt4": ("(b) TTT 4 steps, lr 1e-3", [*FAST, "ttt_steps=4"]),
+    "cov95": ("(c) draft vocab covering 95% of training tokens, lr 1e-3", [*FAST, "draft_vocab_coverage=0.95"]),
+    "init-last": ("(d) decoder layer from the target's last, lr 1e-3", [*FAST, "init_layer=-1"]),
+    "init-mid": ("(d) decoder layer from the target's middle layer (15), lr 1e-3", [*FAST, "init_layer=15"]),
+}
+
+
+def recipe_value(recipe: str, overrides: list[str], key: str):
+    for item in reversed(overrides):
+        if item.startswith(key + "="):
+            return yaml.safe_load(item.split("=", 1)[1])
+    return yaml.safe_load((ROOT / recipe).read_text()).get(key, 1)
+
+
+def train_command(name: str, args) -> tuple[list[str], int]:
+    overrides = SETTINGS[name][1]
+    per_step = recipe_value(args.recipe, overrides, "batch_size") * recipe_value(args.recipe, overrides, "grad_accum")
+    steps = max(1, args.budget // per_step)
+    common = [f"features.dir={args.features}", f"threads={args.threads}", "eval_ttt_steps=7", "epochs=null",
+              f"max_steps={steps}", "save_every=0", "eval_every=0", "log_every=5", "overwrite_output_dir=true",
+              f"output_dir={args.out}/{name}"]
+    return ["python", "train/eagle.py", args.recipe, *common, *overrides], steps
+
+
+def mt_bench_command(name: str, args) -> list[str]:
+    return ["python", "eval/tau.py", "--target", args.target, "--proposer",
+            f"{args.out}/{name}/checkpoint-final", "--bench", "mt_bench", "--tree", f"chain:{args.chain}",
+            "--limit", str(args.mt_bench), "--max-turns", "1", "--max-new-tokens", "128", "--no-baseline",
+            "--threads", str(args.threads), "--json", f"{args.out}/{name}/mt_bench-chain{args.chain}.json"]
+
+
+def run(command: list[str], log: Path, threads: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"failed (exit {done.returncode}): {shlex.join(command)}\nlast lines of {log}:\n"
+                         + "\n".join(log.read_text().splitlines()[-15:]))
+    return time.perf_counter() - start
+
+
+def measure(name: str, args) -> dict:
+    command, steps = train_command(name, args)
+    out = ROOT / args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    wall = run(command, out.parent / f"{name}.log", args.threads)
+    final = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    acc = final["step_acc"]
+    entry = {"setting": name, "what": SETTINGS[name][0], "command": shlex.join(command), "steps": steps,
+             "train_tokens": sum(r["tokens"] for r in rows), "wall_s": round(wall, 1),
+             "cpu_s": round(wall * args.threads, 1), "tokens_per_s": rows[-1]["tokens_per_s"],
+             "acc_1": acc[0], "tau_pred@3": chain_tau(acc[:3]), "tau_pred@7": chain_tau(acc[:7]),
+             "held_out_tokens": final["supervised"], "step_acc": acc}
+    if args.mt_bench:
+        bench = mt_bench_command(name, args)
+        run(bench, out.parent / f"{name}-mt_bench.log", args.threads)
+        report = json.loads((out / f"mt_bench-chain{args.chain}.json").read_text())
+        entry.update({"mt_bench_command": shlex.join(bench), f"mt_bench_tau_chain{args.chain}": report["tau"]})
+    return entry
+
+
+def table(entries: list[dict], chain: int) -> str:
+    key = f"mt_bench_tau_chain{chain}"
+    lines = ["| setting | what | steps | train tokens | CPU s | tok/s | acc_1 | tau_pred@3 | tau_pred@7 | "
+             f"MT-bench chain-{chain} tau |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        bench = f"{e[key]:.3f}" if key in e else "not run"
+        lines.append(f"| {e['setting']} | {e['what']} | {e['steps']} | {e['train_tokens']} | {e['cpu_s']:.0f} | "
+                     f"{e['tokens_per_s']:.0f} | {e['acc_1']:.3f} | {e['tau_pred@3']:.3f} | {e['tau_pred@7']:.3f} | "
+                     f"{bench} |")
+    lines.append("")
+    lines += [f"- {e['setting']}: `{e['command']}`" for e in entries]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default=RECIPE, help=f"the train/eagle.py recipe every setting starts from ({RECIPE})")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="the recipe's target, for --mt-bench")
+    p.add_argument("--features", required=True, help="the offline feature store (train/features.py) all runs read")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of: {', '.join(SETTINGS)}")
+    p.add_argument("--budget", type=int, default=240, help="training conversations per run (default 240)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--mt-bench", type=int, default=0, help="also measure chain tau on the first N MT-bench questions")
+    p.add_argument("--chain", type=int, default=3, help="chain length for --mt-bench (default 3)")
+    p.add_argument("--out", default="outputs/ablate")
+    args = p.parse_args(argv)
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; choose from {', '.join(SETTINGS)}")
+    if not (ROOT / args.features / "index.json").is_file():
+        raise SystemExit(f"--features {args.features}: no index.json there; write the store first with "
+                         f"python train/features.py {args.recipe} features.dir={args.features} threads=1")
+    results_path = ROOT / args.out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    for name in names:
+        done = results.get(name)
+        if done and done["command"] == shlex.join(train_command(name, args)[0]) and \
+                (not args.mt_bench or f"mt_bench_tau_chain{args.chain}" in done):
+            print(f"{name}: done earlier, skipped")
+            continue
+        results[name] = measure(name, args)
+        write_text_atomic(results_path, json.dumps(results, indent=1) + "\n")
+        e = results[name]
+        print(f"{name:12s} tau_pred@3 {e['tau_pred@3']:.3f} @7 {e['tau_pred@7']:.3f} acc_1 {e['acc_1']:.3f} "
+              f"({e['train_tokens']} tokens, {e['cpu_s']:.0f} CPU s)", flush=True)
+    write_text_atomic(ROOT / args.out / "results.md", table(list(results.values()), args.chain))
+    return list(results.values())
+
+
+if __name__ == "__main__":
+    main()
