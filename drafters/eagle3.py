@@ -37,9 +37,21 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # the target's rope parameters other than rope_theta
     hidden_act: str = "silu"
+    # Optional norms, named and placed as speculators / vLLM do (docs/conventions.md "EAGLE-3 norm options"):
+    # norm_before_fc: one RMSNorm over the fused n*h features before fc (weight input_norm, n*h; llama.cpp runs it)
+    # fc_norm: EAGLE-3.1, an RMSNorm per aux layer (fc_norm.i, h each) before concatenation (not in llama.cpp)
+    # norm_before_residual: the decoder layer's residual is hidden_norm(h), not the raw h (llama.cpp runs it)
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are two ways to norm the fused features before fc: "
+                             "set one of them")
 
     @classmethod
-    def from_target_config(cls, config, draft_vocab_size: int, layers=None) -> "Eagle3Config":
+    def from_target_config(cls, config, draft_vocab_size: int, layers=None, **norms) -> "Eagle3Config":
         cfg = config.get_text_config()
         num_layers = cfg.num_hidden_layers
         layers = default_eagle3_layers(num_layers) if layers is None else list(layers)
@@ -49,7 +61,7 @@ class Eagle3Config:
         if not 0 < draft_vocab_size <= cfg.vocab_size:
             raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, target vocab "
                              f"{cfg.vocab_size}]")
-        return cls(**target_layer_fields(config), draft_vocab_size=draft_vocab_size, aux_layers=layers)
+        return cls(**target_layer_fields(config), draft_vocab_size=draft_vocab_size, aux_layers=layers, **norms)
 
 
 def fuse_features(hidden_states, layers) -> Tensor:
@@ -65,12 +77,14 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = DraftAttention(c, 2 * c.hidden_size)  # q/k/v read cat(embed, hidden)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = LlamaMLP(llama_config(c))
+        self.norm_before_residual = c.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, past, mask):
         """embeds, hidden (B, T, h); past = (keys, values) (B, Hkv, S, D) or None; mask over the
         S + T keys [past; new]. -> (output hidden (B, T, h), new (keys, values) (B, Hkv, T, D))."""
-        residual = hidden  # the residual is the UN-normed hidden input
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B,T,2h)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden  # EAGLE-3: the UN-normed hidden input
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B,T,2h)
         q, k, v = self.self_attn.project(x, cos, sin)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2),
                                                     torch.cat([past[1], v], 2))
@@ -127,6 +141,10 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         c = self.config = config
         self.fc = nn.Linear(len(c.aux_layers) * c.hidden_size, c.hidden_size, bias=False)
+        if c.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(len(c.aux_layers) * c.hidden_size, eps=c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps) for _ in c.aux_layers)
         self.midlayer = Eagle3DecoderLayer(c)
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -182,6 +200,11 @@ class Eagle3Drafter(nn.Module):
         mine.mlp.load_state_dict({k: v.to(mine.mlp.gate_proj.weight.dtype) for k, v in layer.mlp.state_dict().items()})
 
     def project_hidden_states(self, features: Tensor) -> Tensor:
+        if self.config.norm_before_fc:  # one RMSNorm over all n*h
+            features = self.input_norm(features)
+        elif self.config.fc_norm:  # one RMSNorm per aux layer's h-wide slice
+            parts = features.split(self.config.hidden_size, dim=-1)
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(features)  # (B, T, n*h) -> (B, T, h)
 
     @staticmethod

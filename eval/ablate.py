@@ -52,6 +52,11 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones)
     "cov95": ("(c) draft vocab covering 95% of training tokens, lr 1e-3", [*FAST, "draft_vocab_coverage=0.95"]),
     "init-last": ("(d) decoder layer from the target's last, lr 1e-3", [*FAST, "init_layer=-1"]),
     "init-mid": ("(d) decoder layer from the target's middle layer (15), lr 1e-3", [*FAST, "init_layer=15"]),
+    "norm-fc": ("(e) norm_before_fc (one RMSNorm over the fused 3h; llama.cpp runs it), lr 1e-3",
+                [*FAST, "norm_before_fc=true"]),
+    "fc-norm": ("(e) EAGLE-3.1 fc_norm (an RMSNorm per aux layer; vLLM / speculators only), lr 1e-3",
+                [*FAST, "fc_norm=true"]),
+    "norm-res": ("(e) norm_before_residual (llama.cpp runs it), lr 1e-3", [*FAST, "norm_before_residual=true"]),
 }
 
 

@@ -341,3 +341,66 @@ def test_init_layer_refuses_a_layer_it_cannot_hold(tiny_gemma3):
     drafter = Eagle3Drafter(Eagle3Config.from_target_config(model.config, 64))
     with pytest.raises(ValueError, match="Llama-style.*leave init_layer unset"):
         drafter.init_layer_from(model.model.layers[-1])
+
+
+NORMS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_residual": True}]
+
+
+def norm_drafter(model, input_ids, loss_mask, norms):
+    config = Eagle3Config.from_target_config(model.config, 64, **norms)
+    vocab = build_draft_vocab([(input_ids, loss_mask)], config.vocab_size, 64)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, vocab)
+    with torch.no_grad():  # norms at their init (ones) would hide a norm applied to the wrong slice
+        for name, param in drafter.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return drafter
+
+
+@pytest.mark.parametrize("norms", NORMS, ids=lambda n: next(iter(n)))
+def test_norm_options_keep_ttt_equal_to_step_by_step_decoding(tiny_llama, norms):
+    model, tokenizer = tiny_llama
+    layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, layers)
+    drafter, embed = norm_drafter(model, input_ids, loss_mask, norms), model.get_input_embeddings()
+    with torch.no_grad():
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS, return_logits=True)
+        for t in (0, 3):
+            reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
+            for i in range(STEPS):
+                torch.testing.assert_close(out.step_logits[i][:, t], reference[i], atol=1e-5, rtol=0)
+
+
+def rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def test_norm_options_compute_what_speculators_names_them(tiny_llama):
+    """norm_before_fc: one RMSNorm over the n*h fused features; fc_norm: one per aux layer's h slice;
+    norm_before_residual: the residual is hidden_norm(h) (with hidden_norm at weight 1, idempotent, the
+    layer on h equals the plain layer on hidden_norm(h))."""
+    model, tokenizer = tiny_llama
+    h = model.config.hidden_size
+    input_ids, loss_mask = chat_batch(tokenizer)
+    features = torch.randn(2, 5, 3 * h)
+    with torch.no_grad():
+        d = norm_drafter(model, input_ids, loss_mask, {"norm_before_fc": True})
+        expected = d.fc(rms(features, d.input_norm.weight, d.config.rms_norm_eps))
+        torch.testing.assert_close(d.project_hidden_states(features), expected)
+        d = norm_drafter(model, input_ids, loss_mask, {"fc_norm": True})
+        parts = [rms(p, n.weight, d.config.rms_norm_eps) for p, n in zip(features.split(h, -1), d.fc_norm)]
+        torch.testing.assert_close(d.project_hidden_states(features), d.fc(torch.cat(parts, -1)))
+        normed = norm_drafter(model, input_ids, loss_mask, {"norm_before_residual": True})
+        plain = Eagle3Drafter(Eagle3Config.from_target_config(model.config, 64))
+        plain.load_state_dict(normed.state_dict())
+        for d in (normed, plain):
+            d.midlayer.hidden_norm.weight.fill_(1.0)
+        x, e, pos = torch.randn(2, 5, h), torch.randn(2, 5, h), torch.arange(5)[None]
+        mask = torch.ones(5, 5, dtype=torch.bool).tril()
+        x_normed = rms(x, 1.0, normed.config.rms_norm_eps)
+        torch.testing.assert_close(normed.backbone(e, x, pos, None, mask)[0],
+                                   plain.backbone(e, x_normed, pos, None, mask)[0], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(plain.backbone(e, x, pos, None, mask)[0], normed.backbone(e, x, pos, None, mask)[0])
+    with pytest.raises(ValueError, match="set one of them"):
+        Eagle3Config.from_target_config(model.config, 64, norm_before_fc=True, fc_norm=True)

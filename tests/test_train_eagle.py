@@ -146,3 +146,21 @@ def test_bad_recipe_values_fail_clearly(eagle, tmp_path, override, error, messag
 
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_norm_options_train_save_reload_and_are_not_exported_as_off(eagle, tmp_path):
+    from drafters.export.common import ExportError
+    from drafters.export.dispatch import export_checkpoint
+    from drafters.checkpoint import load_checkpoint
+    from drafters.registry import load_drafter
+
+    out = tmp_path / "run"
+    eagle.main([RECIPE, f"data.path={DATA}", "max_steps=1", "norm_before_fc=true", "norm_before_residual=true",
+                f"output_dir={out}"])
+    drafter = load_drafter(load_checkpoint(out / "checkpoint-final"))
+    assert drafter.config.norm_before_fc and drafter.config.norm_before_residual and not drafter.config.fc_norm
+    assert drafter.input_norm.weight.shape == (3 * drafter.config.hidden_size,)
+    with pytest.raises(ExportError, match="trained with norm_before_fc, norm_before_residual.*--format native"):
+        export_checkpoint(out / "checkpoint-final", "vllm", tmp_path / "vllm")
+    with pytest.raises(RecipeError, match="norm_before_fc and fc_norm are both set"):
+        eagle.main([RECIPE, "norm_before_fc=true", "fc_norm=true", f"output_dir={tmp_path / 'x'}"])

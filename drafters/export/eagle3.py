@@ -91,6 +91,11 @@ def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
     if sorted(set(c.aux_layers)) != list(c.aux_layers):
         problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, "
                         "high), the order fc was trained on")
+    norms = [name for name in ("norm_before_fc", "fc_norm", "norm_before_residual") if getattr(c, name)]
+    if fmt != "native" and norms:
+        problems.append(f"the drafter was trained with {', '.join(norms)}: exports write these norms as off, so "
+                        "an engine would draft without them; export it with --format native (engine layouts for "
+                        "the norm options are not written yet)")
     if fmt != "native" and len(c.aux_layers) != ENGINE_AUX_LAYERS:
         problems.append(f"{len(c.aux_layers)} aux layers: SGLang and vLLM build fc for exactly "
                         f"{ENGINE_AUX_LAYERS}")

@@ -51,12 +51,18 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     # the held-out evaluation's chain depth (evaluate_eagle3); null = ttt_steps. Set it to compare runs trained
     # at different depths on one scale
     eval_ttt_steps: int | None = None
+    # EAGLE-3 only: optional norms of the drafter (drafters.eagle3.Eagle3Config; speculators' / vLLM's names).
+    # llama.cpp runs norm_before_fc and norm_before_residual; fc_norm (EAGLE-3.1) only vLLM / speculators / SGLang
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
     dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash only
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
     def unread_fields(self) -> frozenset[str]:
-        own = {"eagle3": {"ttt_steps", "step_weight", "tv_weight", "init_layer", "eval_ttt_steps"}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
+        own = {"eagle3": {"ttt_steps", "step_weight", "tv_weight", "init_layer", "eval_ttt_steps", "norm_before_fc", "fc_norm",
+                           "norm_before_residual"}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
         return frozenset(set().union(*own.values()) - own[self.drafter])
 
 
@@ -73,10 +79,13 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
                         "remove it or set it to 0")
     if recipe.eval_ttt_steps is not None and recipe.eval_ttt_steps < 1:
         problems.append(f"eval_ttt_steps={recipe.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
-    for name in ("init_layer", "eval_ttt_steps"):
-        if getattr(recipe, name) is not None and name in recipe.unread_fields():
+    if recipe.norm_before_fc and recipe.fc_norm:
+        problems.append("norm_before_fc and fc_norm are both set: they are two ways to norm the fused features "
+                        "before fc; keep one")
+    for name in ("init_layer", "eval_ttt_steps", "norm_before_fc", "fc_norm", "norm_before_residual"):
+        if getattr(recipe, name) not in (None, False) and name in recipe.unread_fields():
             problems.append(f"{name}={getattr(recipe, name)} is read by drafter: eagle3 only, not {recipe.drafter}; "
-                            "remove it or set it to null")
+                            "remove it")
     if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
         problems.append(f"draft_vocab_coverage={recipe.draft_vocab_coverage} must be in (0, 1] or null "
                         "(null = draft_vocab_size as given)")
@@ -93,8 +102,12 @@ def warn_about_layers(recipe: EagleRecipe, say=print) -> None:
 # ---- set-up ---------------------------------------------------------------------------------------
 
 
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")
+
+
 def build_eagle3_drafter(recipe: EagleRecipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
-    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers)
+    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers,
+                                             **{name: getattr(recipe, name) for name in NORM_OPTIONS})
     drafter = Eagle3Drafter(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
     if recipe.init_layer is not None:
