@@ -9,7 +9,7 @@ from conftest import load_script  # tests/ is on sys.path under pytest
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.heads import heads_loss
-from drafters.training.loop import Data
+from drafters.training.schema import Data
 
 D, V, K, FF = 16, 40, 3, 8
 

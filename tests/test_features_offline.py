@@ -221,7 +221,7 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     from drafters.training.features import features_header, offline_batches, write_features
     from drafters.draft_vocab import build_draft_vocab
     from drafters.training.eagle3 import ttt_loss, EagleRecipe, build_eagle3_drafter, target_inputs_fn
-    from drafters.training.loop import pad_id
+    from drafters.training.batches import pad_id
     from drafters.training.recipe import load_recipe
 
     recipe = load_recipe(EAGLE3, [f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"],

@@ -116,7 +116,7 @@ def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run
     # as they keep the defaults (which reproduce the old behaviour); an EAGLE-3 run ignores the eagle1 and
     # dflash sections; everything else it reads is still compared
     from drafters.training.eagle3 import EagleRecipe
-    from drafters.training.loop import recipe_diff
+    from drafters.training.checkpoints import recipe_diff
     from drafters.training.recipe import to_dict
 
     current = to_dict(EagleRecipe(target="tiny-random-llama", data={"path": "d.jsonl"}))

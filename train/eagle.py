@@ -52,17 +52,10 @@ from drafters.training.eagle3 import (
     warn_about_layers,
 )
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
-from drafters.training.loop import (
-    RunBase,
-    StepMetrics,
-    Summary,
-    fit,
-    length_sorted_batches,
-    load_train_recipe,
-    pad_id,
-    start_run,
-    train_loader,
-)
+from drafters.training.batches import length_sorted_batches, pad_id, train_loader
+from drafters.training.loop import RunBase, Summary, fit, start_run
+from drafters.training.metrics import StepMetrics
+from drafters.training.schema import load_train_recipe
 from drafters.training.recipe import RecipeError, run_main
 
 Recipe = EagleRecipe  # this script's schema (tests/test_recipes.py reads each script's `Recipe`)

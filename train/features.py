@@ -20,7 +20,7 @@ from drafters.targets import load_target
 from drafters.training.data import build_examples
 from drafters.training.eagle3 import EagleRecipe, eagle_problems
 from drafters.training.features import features_header, write_features
-from drafters.training.loop import load_train_recipe
+from drafters.training.schema import load_train_recipe
 from drafters.training.recipe import RecipeError, run_main
 
 Recipe = EagleRecipe  # train/eagle.py's schema (tests/test_recipes.py reads a script's schema as `Recipe`)

@@ -48,19 +48,11 @@ from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.decode.proposers.heads import TREE_FILE
 from drafters.training.recipe import RecipeError, run_main
 from drafters.targets import Target
-from drafters.training.loop import (
-    Position,
-    RunBase,
-    StepMetrics,
-    Summary,
-    fit,
-    TrainRecipe,
-    length_sorted_batches,
-    load_train_recipe,
-    pad_id,
-    start_run,
-    train_loader,
-)
+from drafters.training.batches import length_sorted_batches, pad_id, train_loader
+from drafters.training.checkpoints import Position
+from drafters.training.loop import RunBase, Summary, fit, start_run
+from drafters.training.metrics import StepMetrics
+from drafters.training.schema import TrainRecipe, load_train_recipe
 
 
 @dataclass

@@ -27,7 +27,7 @@ from drafters.losses import LabelLogits, draft_vocab_targets, linear_soft_cross_
 from drafters.targets import Target
 from drafters.training.dflash import DFlashOptions, check_dflash
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1, eagle1_inputs_fn
-from drafters.training.loop import TrainRecipe
+from drafters.training.schema import TrainRecipe
 from drafters.training.recipe import RecipeError
 
 

@@ -50,7 +50,7 @@ from drafters.dtypes import DTYPES
 from drafters.files import atomic_path, data_sha256, disk_full, file_sha256, write_text_atomic
 from drafters.training.recipe import RecipeError
 from drafters.targets import default_eagle3_layers
-from drafters.training.loop import LengthBuckets, num_tokens
+from drafters.training.batches import LengthBuckets, num_tokens
 
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
@@ -391,7 +391,7 @@ def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
 
 
 def offline_loader(recipe, store: FeatureStore, rows: list[Example], pad: int) -> DataLoader:
-    """The same batches as drafters.training.loop.train_loader (same LengthBuckets), with stored features."""
+    """The same batches as drafters.training.batches.train_loader (same LengthBuckets), with stored features."""
     sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
     return DataLoader(OfflineRows(rows, store), batch_sampler=sampler, collate_fn=partial(collate_offline, pad_id=pad))
 

@@ -1,0 +1,108 @@
+"""Training rows to batches: the train / held-out split, length-bucketed batches that a resumed or
+multi-process run can rebuild exactly, the step plan and the lr schedule. Knows nothing about drafters.
+"""
+
+import math
+from functools import partial
+
+import torch
+from torch.utils.data import DataLoader
+
+from drafters.targets import Target
+from drafters.training.data import Example, build_examples, collate
+from drafters.training.recipe import RecipeError
+from drafters.training.schema import Optim
+
+
+def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
+    data = recipe.data
+    examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,
+                                      fmt=data.fmt, split=data.split, limit=data.limit)
+    say(report.summary())
+    num_held_out = data.eval_rows if data.eval_rows is not None else round(len(examples) * data.eval_fraction)
+    if num_held_out >= len(examples):
+        raise RecipeError(f"data.eval_rows / eval_fraction hold out {num_held_out} of the {len(examples)} "
+                          "usable examples, leaving none to train on; lower them")
+    # The split is a permutation by data.seed of the usable examples: the same file, max_length and
+    # limit give the same held-out rows whatever the training seed.
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
+    held_out = [examples[i] for i in sorted(order[:num_held_out])]
+    train_rows = [examples[i] for i in sorted(order[num_held_out:])]
+    say(f"{len(train_rows)} training examples ({sum(map(num_tokens, train_rows))} tokens), "
+        f"{len(held_out)} held out")
+    return train_rows, held_out
+
+
+def pad_id(target: Target) -> int:
+    tokenizer = target.tokenizer
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(target.eos_token_ids)
+
+
+def num_tokens(example: Example) -> int:
+    return len(example.input_ids)
+
+
+class LengthBuckets:
+    """Batches of similar lengths, so padding stays small. Each pass shuffles the rows, sorts every
+    window of `window` batches by length, cuts it into batches and shuffles the batch order. Pass n
+    draws from seed + n: every process of a multi-process run sees the same batches, and a resumed
+    run can rebuild any pass. `resume(pass_index, skip)` makes the next pass be pass `pass_index`
+    with its first `skip` batches left out (batches of all processes: accelerate deals them out
+    round-robin)."""
+
+    drop_last = False  # read by accelerate when it shards batches over processes
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, window: int = 64):
+        self.lengths, self.batch_size, self.seed, self.window = lengths, batch_size, seed, window
+        self.passes, self.skip = 0, 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+    def resume(self, pass_index: int, skip: int) -> None:
+        self.passes, self.skip = pass_index, skip
+
+    def batches(self, pass_index: int) -> list[list[int]]:
+        """Row indices of every batch of pass `pass_index`, in the order the pass yields them."""
+        generator = torch.Generator().manual_seed(self.seed + pass_index)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        span, batches = self.batch_size * self.window, []
+        for start in range(0, len(order), span):
+            rows = sorted(order[start:start + span], key=self.lengths.__getitem__)
+            batches += [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+        return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+    def __iter__(self):
+        batches, skip = self.batches(self.passes), self.skip
+        self.passes, self.skip = self.passes + 1, 0
+        yield from batches[skip:]
+
+
+def train_loader(recipe, rows: list[Example], pad: int) -> DataLoader:
+    sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
+    return DataLoader(rows, batch_sampler=sampler, collate_fn=partial(collate, pad_id=pad))
+
+
+def length_sorted_batches(rows: list[Example], batch_size: int) -> list[list[Example]]:
+    rows = sorted(rows, key=num_tokens)
+    return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+def plan_steps(recipe, batches_per_epoch: int) -> int:
+    # Micro-batches left over at the end of an epoch start the next epoch's first step.
+    by_epochs = None if recipe.epochs is None else recipe.epochs * batches_per_epoch // recipe.grad_accum
+    total = min(s for s in (by_epochs, recipe.max_steps) if s is not None)
+    if total < 1:
+        raise RecipeError(f"{batches_per_epoch} batches per epoch x epochs={recipe.epochs} is less than one "
+                          f"optimizer step of grad_accum={recipe.grad_accum} batches; use more data or epochs")
+    return total
+
+
+def lr_factor(optim: Optim, total_steps: int, step: int) -> float:
+    # step counts optimizer steps from 0; the lr of step s is optim.lr * lr_factor(s)
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,242 @@
+"""What a training run keeps on disk and how it comes back: claiming output_dir (a lock, never replacing an
+earlier run unasked), resumable checkpoints (the drafter files plus accelerate's trainer state and the data
+position, written atomically), a full disk, and resume's checks (same family, target, recipe and data).
+"""
+
+import dataclasses
+import json
+import re
+import shutil
+import typing
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from drafters.checkpoint import CheckpointError, check_target, damage, save_checkpoint, step_checkpoints
+from drafters.files import data_sha256, disk_full, hold_lock
+from drafters.training.recipe import RecipeError
+
+
+@dataclass
+class Position:
+    """Where the data stream stands at an optimizer-step boundary: `passes` complete passes over the
+    training rows, then `micro` micro-batches (of each process) of the next pass."""
+
+    passes: int = 0
+    micro: int = 0
+
+
+LOCK_FILE = ".run.lock"
+# What a run writes into output_dir: what a new run would replace and overwrite_output_dir removes.
+RUN_FILES = re.compile(r"checkpoint-(\d+|final)|metrics\.jsonl|eval\.jsonl")
+
+
+def earlier_run_files(output_dir) -> list[Path]:
+    directory = Path(output_dir)
+    return sorted(p for p in directory.iterdir() if RUN_FILES.fullmatch(p.name)) if directory.is_dir() else []
+
+
+def claim_output_dir(recipe, accelerator) -> None:
+    """A new run never silently replaces an earlier one (its checkpoint-final, its metrics, and its
+    checkpoint-<step> that resume_from=latest would later pick up): it is continued (resume_from),
+    removed on request (overwrite_output_dir), or refused. Every process checks; the main one removes.
+    The main process first locks output_dir for the run's life (.run.lock): a second run started into it,
+    even at the same moment, is refused with the first one's PID."""
+    if accelerator.is_main_process:
+        hold_lock(Path(recipe.output_dir) / LOCK_FILE, f"output_dir={recipe.output_dir}")
+    found = earlier_run_files(recipe.output_dir)
+    if not found:
+        return
+    names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
+    if recipe.overwrite_output_dir and recipe.resume_from is not None:
+        raise RecipeError(f"overwrite_output_dir=true removes the run in {recipe.output_dir} and resume_from="
+                          f"{recipe.resume_from} continues one: set only one of them")
+    if not recipe.overwrite_output_dir and recipe.resume_from is None:
+        raise RecipeError(f"output_dir={recipe.output_dir} holds an earlier run ({names}); a new run there would "
+                          "replace its checkpoint-final and metrics. Continue it with resume_from=latest, start over "
+                          "with overwrite_output_dir=true (removes those files only), or choose another output_dir")
+    accelerator.wait_for_everyone()  # every process has looked before the main one removes
+    if recipe.overwrite_output_dir and accelerator.is_main_process:
+        accelerator.print(f"overwrite_output_dir=true: removing {names} from {recipe.output_dir}")
+        for path in found:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    accelerator.wait_for_everyone()
+
+
+TRAINER_DIR, POSITION_FILE = "trainer", "position.json"
+
+
+def save_run_checkpoint(accelerator, path: Path, step: int, position: Position | None, tokens: int,
+                        **checkpoint) -> Path:
+    """A checkpoint that also resumes: the drafter files (drafters.checkpoint) plus trainer/ =
+    accelerate's state (optimizer, lr scheduler, RNG states of every process, and the prepared
+    model, sharded as the engine shards it) and the data position, all in one atomic write.
+    position None: the drafter files only (checkpoint-final), by the main process. Called by every
+    process; `checkpoint` = save_checkpoint's keyword arguments."""
+    path = Path(path)
+    with disk_full_says(path):
+        if position is None:
+            if accelerator.is_main_process:
+                save_checkpoint(path, **checkpoint)
+        else:
+            save_resumable(accelerator, path, step, position, tokens, checkpoint)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def save_resumable(accelerator, path: Path, step: int, position: Position, tokens: int, checkpoint: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-resumable")
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a run killed while saving
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp / TRAINER_DIR))
+        accelerator.wait_for_everyone()
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if accelerator.is_main_process:
+        def write_position(directory: Path) -> None:
+            (directory / TRAINER_DIR / POSITION_FILE).write_text(json.dumps(
+                {"step": step, "passes": position.passes, "micro": position.micro, "tokens": tokens,
+                 "num_processes": accelerator.num_processes}))
+        save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
+
+
+@contextmanager
+def disk_full_says(path: Path):
+    """A full disk while saving ends the run with what to do (the writes are atomic: the temporary
+    directory is gone and earlier checkpoints are intact), not an OSError traceback."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is a full disk
+        if not disk_full(err):
+            raise
+        saved = [p for _, p in step_checkpoints(path.parent) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+        then = f"resume from {saved[-1]} (resume_from=latest)" if saved else "run again (no checkpoint was saved yet)"
+        raise SystemExit(f"no space left on device while writing {path.name} to {path.parent}; nothing was "
+                         f"half-written; free space and {then}") from None
+
+
+def resume_checkpoint(recipe, say) -> Path | None:
+    """recipe.resume_from: null (fresh run), 'latest' (newest complete checkpoint-<step> of output_dir,
+    skipping damaged ones with a printed line; a fresh run when there is none) or a checkpoint directory."""
+    if recipe.resume_from is None:
+        return None
+    if recipe.resume_from != "latest":
+        return resumable(Path(recipe.resume_from))
+    found = [p for _, p in step_checkpoints(recipe.output_dir) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+    if not found and (Path(recipe.output_dir) / "checkpoint-final").is_dir():
+        raise RecipeError(f"resume_from=latest: {recipe.output_dir} holds a finished run (checkpoint-final) and "
+                          "no resumable checkpoint-<step> to continue; set overwrite_output_dir=true (and "
+                          "resume_from=null) to train it again, or choose another output_dir")
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            return path
+        say(f"resume_from=latest: skipping {path}, it is incomplete: {problem}")
+    if found:
+        raise RecipeError(f"resume_from=latest: every checkpoint in {recipe.output_dir} is damaged (see above); "
+                          "set overwrite_output_dir=true (and resume_from=null) to start over")
+    return None
+
+
+def resumable(path: Path) -> Path:
+    if not (path / TRAINER_DIR / POSITION_FILE).is_file():
+        raise RecipeError(f"resume_from={path}: not a resumable checkpoint (no {TRAINER_DIR}/{POSITION_FILE}); "
+                          "checkpoint-<step> directories of a training run are, exported ones and "
+                          "checkpoint-final are not")
+    problem = damage(path)
+    if problem is not None:
+        raise RecipeError(f"resume_from={path}: the checkpoint is incomplete: {problem}; resume an earlier one "
+                          "(resume_from=latest skips damaged checkpoints)")
+    return path
+
+
+# Recipe keys that may change between a run and its resumption without changing what is trained.
+RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "output_dir", "max_steps",
+                     "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
+
+
+def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | None = None,
+                unread: frozenset[str] = frozenset()) -> list[str]:
+    """'name: old -> new' for each recipe value that differs between a checkpoint's recipe and this one,
+    except RESUMABLE_CHANGES, the top-level fields in `unread` (sections this configuration never reads,
+    e.g. another family's) and fields the checkpoint's recipe lacks that are at their default in `schema`
+    (the recipe's dataclass): fields added by a later version of drafters default to the behaviour they
+    did not have before, so a run resumes across an upgrade."""
+    lines = []
+    defaults = {f.name: f for f in dataclasses.fields(schema)} if schema is not None else {}
+    hints = typing.get_type_hints(schema) if schema is not None else {}
+    for key in sorted(set(saved) | set(current)):
+        name = prefix + key
+        if not prefix and (key in RESUMABLE_CHANGES or key in unread):
+            continue
+        old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if key not in saved and key in defaults and new == field_default(defaults[key]):
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            nested = hints.get(key)
+            lines += recipe_diff(old, new, name + ".", nested if dataclasses.is_dataclass(nested) else None)
+        elif old != new:
+            lines.append(f"{name}: {old!r} -> {new!r}")
+    return lines
+
+
+def field_default(f: dataclasses.Field):
+    """A recipe field's default as plain data (to_dict's form), or a sentinel where it has none."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return object()
+    return asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool, *, schema: type | None = None,
+                 unread: frozenset[str] = frozenset()) -> None:
+    """The checkpoint must be of this family and target, and trained by the same recipe (recipe_diff)."""
+    if ckpt.family != family:
+        raise RecipeError(f"resume_from={ckpt.path}: a {ckpt.family!r} checkpoint, but this recipe trains "
+                          f"{family!r}; resume it with its own recipe or start a fresh run (resume_from=null)")
+    try:
+        check_target(ckpt, target)
+    except CheckpointError as error:
+        raise RecipeError(f"resume_from: {error}") from None
+    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict, schema=schema, unread=unread)
+    if diff and not allow_changes:
+        raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
+                          + "\n  ".join(diff) + "\nresume with the original values, or set "
+                          "allow_recipe_changes=true to continue with the new ones")
+    check_same_data(ckpt, recipe_dict["data"]["path"], allow_changes)
+
+
+def check_same_data(ckpt, path: str, allow_changes: bool) -> None:
+    # the split is a permutation of the usable rows: other bytes move training rows into the held-out set
+    saved = ckpt.extra.get("data_sha256")  # absent in checkpoints of older versions: nothing to compare
+    if saved is None or allow_changes or data_sha256(path) in (None, saved):
+        return
+    raise RecipeError(f"resume_from={ckpt.path}: data.path={path} changed since that checkpoint (its sha256 differs "
+                      "from the one the checkpoint recorded), so the train / held-out split would move and "
+                      "training rows could land in the held-out set; resume with the original file, or set "
+                      "allow_recipe_changes=true to continue on the new one")
+
+
+def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Position, int]:
+    """Restores what save_run_checkpoint saved into the prepared objects -> (step, position, tokens)."""
+    meta = json.loads((path / TRAINER_DIR / POSITION_FILE).read_text())
+    if meta["step"] > total_steps:  # else the final checkpoint would carry its weights under step total_steps
+        raise RecipeError(f"resume_from={path}: the checkpoint is at step {meta['step']}, past this run's last step "
+                          f"{total_steps} (max_steps / epochs); raise max_steps or resume an earlier checkpoint")
+    if meta["num_processes"] != accelerator.num_processes:
+        raise RecipeError(f"resume_from={path}: saved by {meta['num_processes']} processes, resumed with "
+                          f"{accelerator.num_processes}; the data position and RNG states need the same count")
+    accelerator.load_state(str(path / TRAINER_DIR))
+    return meta["step"], Position(meta["passes"], meta["micro"]), meta["tokens"]

@@ -1,0 +1,132 @@
+"""The recipe sections every training script shares (`Data`, `Optim`, `TrainRecipe`) and their checks.
+
+Each family's recipe (drafters.training.eagle3.EagleRecipe, drafters.training.heads.HeadsRecipe) adds its
+own fields to TrainRecipe; load_train_recipe reads a YAML recipe plus key=value overrides into one and
+names every problem at once. Knows nothing about drafters, targets or the loop.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from drafters.dtypes import DtypeName
+from drafters.training.recipe import RecipeError, build_overridden, check_override_key, read_recipe
+
+
+@dataclass
+class Data:
+    path: str  # JSON / JSONL file, save_to_disk folder or Hugging Face dataset name (drafters.training.data)
+    fmt: Literal["auto", "sharegpt", "openai", "text"] = "auto"
+    split: str = "train"
+    max_length: int = 2048  # tokens; longer conversations are cut
+    limit: int | None = None  # read the first N usable rows only
+    eval_rows: int | None = None  # held-out rows; overrides eval_fraction
+    eval_fraction: float = 0.02
+    seed: int = 0  # of the train / held-out split
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.max_length < 3:
+            found.append(f"data.max_length={self.max_length} must be >= 3 (a label needs 2 tokens of context)")
+        if self.limit is not None and self.limit < 1:
+            found.append(f"data.limit={self.limit} must be >= 1 or null (all rows)")
+        if not 0 <= self.eval_fraction < 1 or (self.eval_rows is not None and self.eval_rows < 0):
+            found.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 1), data.eval_rows >= 0")
+        return found
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0  # linear from lr / warmup_steps up to lr
+    schedule: Literal["cosine", "constant"] = "cosine"  # after warmup; cosine decays to 0
+    max_grad_norm: float | None = 0.5  # null = no clipping (the norm is still logged)
+    clip_value: float | None = None  # clip each gradient element to [-v, v] first (official EAGLE: 0.5)
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            found.append(f"optim.lr={self.lr} must be > 0, warmup_steps and weight_decay >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            found.append(f"optim.betas={self.betas} must be two numbers in [0, 1)")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            found.append(f"optim.max_grad_norm={self.max_grad_norm} must be > 0 or null (no clipping)")
+        if self.clip_value is not None and self.clip_value <= 0:
+            found.append(f"optim.clip_value={self.clip_value} must be > 0 or null (no clipping by value)")
+        return found
+
+
+@dataclass(kw_only=True)
+class TrainRecipe:
+    """What every training script's recipe has; each script's Recipe adds its family's fields."""
+
+    target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
+    data: Data
+    optim: Optim = field(default_factory=Optim)
+    batch_size: int = 1  # per process
+    grad_accum: int = 1
+    epochs: int | None = 1
+    max_steps: int | None = None  # optimizer steps; with epochs, whichever comes first
+    seed: int = 0
+    # auto = bf16 where the hardware computes it (GPUs, CPUs with avx512_bf16 / AMX), else float32 / no:
+    # emulated bf16 (e.g. an AVX2 CPU) is ~50x slower than float32 (drafters.targets.resolve_precision)
+    dtype: Literal["auto", DtypeName] = "float32"  # the target's weights (drafters.dtypes)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
+    save_every: int = 0  # 0 = only checkpoint-final; checkpoint-<step> directories also resume
+    keep_last: int = 0  # keep only the newest N checkpoint-<step> directories; 0 = all
+    eval_every: int = 0  # 0 = only at the end
+    resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
+    allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    overwrite_output_dir: bool = False  # a new run into an output_dir holding an earlier run: remove that run's
+    #                                     checkpoint-<step>/final, metrics.jsonl and eval.jsonl first (else refused)
+    wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
+    wandb_name: str | None = None  # the wandb run name; null = wandb's
+
+    def problems(self) -> list[str]:
+        """Every problem with the fields all training scripts share (batching, steps, checkpoints,
+        logging, data, optim); each script adds only its own fields' (load_train_recipe)."""
+        found = [f"{name}={getattr(self, name)} must be >= 1" for name in ("batch_size", "grad_accum", "log_every")
+                 if getattr(self, name) < 1]
+        found += [f"{name}={getattr(self, name)} must be >= 0 (0 = off)" for name in
+                  ("save_every", "eval_every", "threads", "keep_last") if getattr(self, name) < 0]
+        found += [f"{name}={getattr(self, name)} must be >= 1 or null" for name in
+                  ("epochs", "max_steps") if getattr(self, name) is not None and getattr(self, name) < 1]
+        if self.epochs is None and self.max_steps is None:
+            found.append("set epochs or max_steps (or both: whichever ends first)")
+        return found + self.data.problems() + self.optim.problems()
+
+    def unread_fields(self) -> frozenset[str]:
+        """Top-level fields this configuration never reads (another family's section): a resumed run
+        ignores changes to them (recipe_diff)."""
+        return frozenset()
+
+
+
+# The entry script that trains each drafter family.
+FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "dflash": "train/eagle.py",
+                  "medusa": "train/heads.py", "blockwise": "train/heads.py"}
+
+
+def load_train_recipe(argv: list[str], schema, script: str, own_problems=None):
+    """load_recipe, except that a recipe of another script's family is sent to that script instead of
+    failing on the first key of its family (medusa's num_heads: 'did you mean threads?'). Then every
+    check runs once, on one list: the shared sections' (TrainRecipe.problems) and the script's own
+    fields' (own_problems(recipe) -> [str]); one RecipeError names them all."""
+    raw = read_recipe(argv[0], argv[1:])
+    drafter = raw.get("drafter")
+    if isinstance(drafter, str) and FAMILY_SCRIPTS.get(drafter, script) != script:
+        raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {FAMILY_SCRIPTS[drafter]}")
+    for override in argv[1:]:
+        check_override_key(schema, override)
+    recipe = build_overridden(schema, raw, argv[0], argv[1:])
+    check_recipe(recipe, own_problems)
+    return recipe
+
+
+def check_recipe(recipe: TrainRecipe, own_problems=None) -> None:
+    problems = recipe.problems() + (own_problems(recipe) if own_problems else [])
+    if problems:
+        raise RecipeError("recipe: " + "; ".join(problems))
