@@ -5,7 +5,6 @@ sample_one rule trains one head per micro-batch."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_script  # tests/ is on sys.path under pytest
 
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.heads import heads_loss
@@ -46,8 +45,9 @@ def test_forward_is_one_hidden_layer_split_residually():
 
 
 def test_sample_one_trains_one_head_per_micro_batch():
-    train = load_script("train/heads.py")
-    recipe = train.Recipe(target="t", data=Data(path="x"), drafter="blockwise", num_heads=K,
+    import drafters.training.heads as train
+
+    recipe = train.HeadsRecipe(target="t", data=Data(path="x"), drafter="blockwise", num_heads=K,
                           blockwise=train.BlockwiseOptions(loss="sample_one"))
     picks = [train.loss_weights(recipe, i) for i in range(600)]
     assert all(list(w.values()) == [1.0] for w in picks)

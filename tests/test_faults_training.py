@@ -439,12 +439,3 @@ def test_a_recipe_for_the_other_script_names_that_script(tmp_path, script, recip
     drafter = Path(recipe).stem.removesuffix("_tiny")
     with pytest.raises(RecipeError, match=rf"^recipe {recipe} trains drafter={drafter}: run it with {other}$"):
         script.main([recipe, f"output_dir={tmp_path}"])
-
-
-def test_every_family_has_its_training_script():
-    # a family missing from the table fails on its first family key ("unknown key") in the other script
-    from drafters.registry import FAMILIES
-    from drafters.training.schema import FAMILY_SCRIPTS
-
-    assert set(FAMILY_SCRIPTS) == set(FAMILIES)
-    assert all((ROOT / script).is_file() for script in FAMILY_SCRIPTS.values())

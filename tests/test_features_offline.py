@@ -218,6 +218,7 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     # One batch, computed online (a target forward) and from float32 features written by ONE target forward
     # over the same examples (same padded length): the training loss and its gradients are the same bits.
     from drafters.training.data import build_examples, collate
+    from drafters.training.families import TRAINING_FAMILIES
     from drafters.training.features import features_header, offline_batches, write_features
     from drafters.draft_vocab import build_draft_vocab
     from drafters.training.eagle3 import ttt_loss, EagleRecipe, build_eagle3_drafter, target_inputs_fn
@@ -229,7 +230,7 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     target = load_target(recipe.target)
     examples, _ = build_examples(target.tokenizer, str(DATA), max_length=128)
     batch_rows = examples[3:7]
-    write_features(tmp_path, target, batch_rows, features_header(recipe, target), batch_size=len(batch_rows))
+    write_features(tmp_path, target, batch_rows, features_header(recipe, target, TRAINING_FAMILIES["eagle3"]), batch_size=len(batch_rows))
     store = FeatureStore.open(tmp_path)
     drafter = build_eagle3_drafter(recipe, target, build_draft_vocab(
         [(e.input_ids, e.loss_mask) for e in examples], target.vocab_size, recipe.draft_vocab_size))

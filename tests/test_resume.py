@@ -83,7 +83,9 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path,
 
 
 def test_non_finite_loss_stops_with_the_step_rows_and_last_good_checkpoint(tmp_path, monkeypatch):
-    micro_step = eagle.Run.micro_step
+    from drafters.training.eagle3 import EagleRun
+
+    micro_step = EagleRun.micro_step
     calls = {"n": 0}
 
     def poisoned(self, batch, acc):
@@ -93,7 +95,7 @@ def test_non_finite_loss_stops_with_the_step_rows_and_last_good_checkpoint(tmp_p
             acc.loss = acc.loss * float("nan")
         return acc
 
-    monkeypatch.setattr(eagle.Run, "micro_step", poisoned)
+    monkeypatch.setattr(EagleRun, "micro_step", poisoned)
     with pytest.raises(NonFiniteLoss) as error:
         train(tmp_path / "nan")
     message = str(error.value)

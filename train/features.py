@@ -18,9 +18,9 @@ import torch
 
 from drafters.targets import load_target
 from drafters.training.data import build_examples
-from drafters.training.eagle3 import EagleRecipe, eagle_problems
+from drafters.training.eagle3 import EagleRecipe
+from drafters.training.families import TRAINING_FAMILIES, load_recipe
 from drafters.training.features import features_header, write_features
-from drafters.training.schema import load_train_recipe
 from drafters.training.recipe import RecipeError, run_main
 
 Recipe = EagleRecipe  # train/eagle.py's schema (tests/test_recipes.py reads a script's schema as `Recipe`)
@@ -29,7 +29,7 @@ Recipe = EagleRecipe  # train/eagle.py's schema (tests/test_recipes.py reads a s
 def main(argv: list[str]) -> dict:
     if not argv:
         raise SystemExit("usage: python train/features.py RECIPE.yaml features.dir=DIR [key=value ...]")
-    recipe = load_train_recipe(argv, Recipe, "train/eagle.py", eagle_problems)
+    recipe = load_recipe(argv, "train/eagle.py")
     if not recipe.features.dir:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/eagle.py streams from it when the recipe sets it)")
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> dict:
     target = load_target(recipe.target, dtype=recipe.dtype)
     if torch.accelerator.is_available():
         target.model.to(torch.accelerator.current_accelerator())
-    header = features_header(recipe, target)  # refuses families without offline support
+    header = features_header(recipe, target, TRAINING_FAMILIES[recipe.drafter])  # refuses online-only families
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length, fmt=data.fmt,
                                       split=data.split, limit=data.limit)

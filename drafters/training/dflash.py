@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from drafters.dflash import DFlashConfig, DFlashDrafter, block_label_mask, block_label_rows, sample_anchors
 from drafters.draft_vocab import DraftVocab
 from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
+from drafters.training.recipe import RecipeError
 
 LABELS = ("soft", "argmax")
 
@@ -31,9 +32,7 @@ class DFlashOptions:
 
 
 def check_dflash(recipe) -> list[str]:
-    """Problems with the dflash section of a train/eagle.py recipe (drafter: dflash only)."""
-    if recipe.drafter != "dflash":
-        return []
+    """Problems with the dflash section of a train/eagle.py recipe (drafter: dflash)."""
     o, problems = recipe.dflash, []
     if o.block_size < 2:
         problems.append(f"dflash.block_size={o.block_size} must be >= 2 (the anchor and at least one mask slot)")
@@ -64,6 +63,21 @@ def choose_mask_token(rows, vocab_size: int, requested: int | None) -> int:
         raise ValueError(f"dflash.mask_token_id: every one of the target's {vocab_size} ids occurs in the training "
                          "rows; set dflash.mask_token_id to a rare id explicitly")
     return int(unseen[0])
+
+
+def build_dflash(recipe, target, train_rows, vocab: DraftVocab, say) -> "DFlashObjective":
+    """The family's build (drafters.training.family.TrainingFamily): the mask token from the training rows, the
+    drafter on the target's frozen head rows of the draft vocabulary."""
+    try:
+        mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)
+    except ValueError as err:
+        raise RecipeError(f"recipe: {err}") from None
+    drafter = build_dflash_drafter(recipe, target, vocab, mask_token_id)
+    c = drafter.config
+    say(f"eagle: DFlash drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+        f"{c.num_hidden_layers} layers, block {c.block_size}, mask token {c.mask_token_id}, aux layers "
+        f"{c.aux_layers}, draft vocab {vocab.size} of {target.vocab_size} (target head rows, frozen)")
+    return DFlashObjective(drafter, recipe.dflash, recipe.seed)
 
 
 def build_dflash_drafter(recipe, target, vocab: DraftVocab, mask_token_id: int) -> DFlashDrafter:

@@ -35,12 +35,8 @@ class Features:  # offline target features (drafters.training.features; written 
 
 
 def check_eagle1(recipe) -> list[str]:
-    """Problems with the EAGLE-1 / offline-features fields of a train/eagle.py recipe."""
+    """Problems with the eagle1 section of a train/eagle.py recipe (drafter: eagle1)."""
     o, problems = recipe.eagle1, []
-    if recipe.features.shard_rows < 1:
-        problems.append(f"features.shard_rows={recipe.features.shard_rows} must be >= 1")
-    if recipe.drafter != "eagle1":
-        return problems
     if o.feature not in FEATURES:
         problems.append(f"eagle1.feature={o.feature!r} must be one of {', '.join(FEATURES)}")
     if o.feature_weight < 0 or o.token_weight < 0 or o.feature_weight + o.token_weight == 0:
@@ -53,6 +49,27 @@ def check_eagle1(recipe) -> list[str]:
     if recipe.layers is not None:
         problems.append(f"layers={recipe.layers}: EAGLE-1 reads the last hidden state only; set layers: null")
     return problems
+
+
+# eagle1.feature -> what the stored `features` hold, in words (HF hidden_states indices, docs/conventions.md)
+LAYER_SPECS = {
+    "pre_norm": "output of the last decoder layer before the final norm (input of the final norm)",
+    "normed": "hidden_states[L]: the final-normed last hidden state",
+}
+
+
+def eagle1_layer_spec(recipe, target) -> dict:
+    """What an EAGLE-1 feature store holds (drafters.training.features): its one feature, compared on reading."""
+    return {"features": recipe.eagle1.feature, "what": LAYER_SPECS[recipe.eagle1.feature]}
+
+
+def build_eagle1(recipe, target, train_rows, vocab, say) -> "Eagle1Objective":
+    """The family's build (drafters.training.family.TrainingFamily): no draft vocabulary, the target's head."""
+    drafter = build_eagle1_drafter(recipe, target)
+    say(f"eagle: EAGLE-1 drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+        f"{drafter.config.feature} features {'from ' + recipe.features.dir if recipe.features.dir else 'online'}, "
+        f"full vocab {target.vocab_size}")
+    return Eagle1Objective(drafter, recipe.eagle1, recipe.seed)
 
 
 def build_eagle1_drafter(recipe, target) -> Eagle1Drafter:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
-from drafters.draft_vocab import DraftVocab
+from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
 from drafters.eagle1 import FrozenHead
 from drafters.eagle3 import (
     Eagle3Config,
@@ -24,11 +24,13 @@ from drafters.eagle3 import (
 )
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
 from drafters.losses import LabelLogits, draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
-from drafters.targets import Target
+from drafters.targets import Target, default_eagle3_layers
 from drafters.training.dflash import DFlashOptions, check_dflash
-from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1, eagle1_inputs_fn
-from drafters.training.schema import TrainRecipe
+from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1
+from drafters.training.loop import RunBase
+from drafters.training.metrics import StepMetrics
 from drafters.training.recipe import RecipeError
+from drafters.training.schema import TrainRecipe
 
 
 @dataclass(kw_only=True)
@@ -89,11 +91,21 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
     if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
         problems.append(f"draft_vocab_coverage={recipe.draft_vocab_coverage} must be in (0, 1] or null "
                         "(null = draft_vocab_size as given)")
-    return problems + check_eagle1(recipe) + check_dflash(recipe)
+    if recipe.features.shard_rows < 1:
+        problems.append(f"features.shard_rows={recipe.features.shard_rows} must be >= 1")
+    return problems
+
+
+def dflash_problems(recipe: EagleRecipe) -> list[str]:
+    return eagle_problems(recipe) + check_dflash(recipe)
+
+
+def eagle1_problems(recipe: EagleRecipe) -> list[str]:
+    return eagle_problems(recipe) + check_eagle1(recipe)
 
 
 def warn_about_layers(recipe: EagleRecipe, say=print) -> None:
-    if recipe.drafter == "eagle3" and recipe.layers is not None and len(recipe.layers) != ENGINE_AUX_LAYERS:
+    if recipe.layers is not None and len(recipe.layers) != ENGINE_AUX_LAYERS:
         say(f"eagle: warning: layers={recipe.layers} are {len(recipe.layers)} aux layers: training works, but "
             f"export to sglang / vllm will refuse the drafter (both engines build fc for exactly "
             f"{ENGINE_AUX_LAYERS}); only --format native keeps it")
@@ -103,6 +115,42 @@ def warn_about_layers(recipe: EagleRecipe, say=print) -> None:
 
 
 NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")
+
+
+def eagle3_layer_spec(recipe: EagleRecipe, target: Target) -> dict:
+    """What an EAGLE-3 feature store holds (drafters.training.features), also DFlash's: spec["features"] =
+    "fused:2,15,27" (the aux layers, HF hidden_states indices) is compared on reading."""
+    layers = default_eagle3_layers(target.num_layers) if recipe.layers is None else list(recipe.layers)
+    return {"features": "fused:" + ",".join(map(str, layers)), "layers": layers,
+            "what": f"cat(hidden_states[l] for l in {layers}): the EAGLE-3 fusion input, n*h wide",
+            "label_hidden": "hidden_states[L], final-normed: soft labels = frozen head at supervised rows"}
+
+
+def choose_draft_vocab(recipe: EagleRecipe, target: Target, train_rows, say) -> DraftVocab:
+    """The draft vocabulary (EAGLE-3, DFlash): the draft_vocab_size (or draft_vocab_coverage) most frequent
+    supervised token ids of the TRAIN rows (docs/conventions.md), with a printed line on its coverage."""
+    counts = count_tokens([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size)
+    if recipe.draft_vocab_coverage is not None:
+        size = size_for_coverage(counts, recipe.draft_vocab_coverage)
+    else:
+        size = min(recipe.draft_vocab_size, target.vocab_size)
+        if recipe.draft_vocab_size > target.vocab_size:
+            say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
+                f"({target.vocab_size}): using {target.vocab_size}")
+    vocab = build_draft_vocab(counts, target.vocab_size, size)
+    say(f"eagle: draft vocab {size} of {target.vocab_size} ids covers {coverage(counts, size):.2%} of the "
+        f"{int(counts.sum())} supervised training tokens ({int((counts > 0).sum())} distinct ids seen)"
+        + (f"; draft_vocab_coverage={recipe.draft_vocab_coverage}" if recipe.draft_vocab_coverage else ""))
+    return vocab
+
+
+def build_eagle3(recipe: EagleRecipe, target: Target, train_rows, vocab: DraftVocab, say) -> "Eagle3Objective":
+    """The family's build (drafters.training.family.TrainingFamily): the drafter, wrapped in its TTT objective."""
+    warn_about_layers(recipe, say)
+    drafter = build_eagle3_drafter(recipe, target, vocab)
+    say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+        f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
+    return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight)
 
 
 def build_eagle3_drafter(recipe: EagleRecipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
@@ -204,10 +252,8 @@ class Eagle3Objective(nn.Module):
 
 
 def target_inputs_fn(recipe: EagleRecipe, target: Target, drafter):
-    """-> batch -> (features in the drafter's dtype, target logits (B, T, V) or LabelLogits), no grad, for
-    recipe.drafter, online (a target forward) or offline (features.dir)."""
-    if recipe.drafter == "eagle1":
-        return eagle1_inputs_fn(recipe, target, drafter)
+    """-> batch -> (fused features in the drafter's dtype, target logits (B, T, V) as LabelLogits), no grad, for
+    EAGLE-3 and DFlash, online (a target forward) or offline (features.dir)."""
     head, dtype = FrozenHead.from_target(target, "normed"), drafter.fc.weight.dtype
     if recipe.features.dir:
         return partial(stored_inputs, head, dtype=dtype)
@@ -266,3 +312,35 @@ def format_eval(result: dict) -> str:
     return (f"eval @ step {result['step']}: loss {result['loss']:.4f}, per-TTT-step top-1 accuracy [{accuracy}] "
             f"over {result['supervised']} supervised tokens; tau_pred (chain of {len(result['step_acc'])}, "
             f"1 + sum_k prod_(j<=k) acc_j) = {result['tau_pred']:.3f}")
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+class EagleRun(RunBase):
+    """The run of the feature-level families of train/eagle.py (EAGLE-3, DFlash, EAGLE-1): one objective call on
+    (features, input ids, target logits, loss mask, the target's embedding); the family's own inputs,
+    evaluation and summary come from its TrainingFamily entry."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inputs = self.family.inputs(self.recipe, self.target, self.drafter)  # batch -> (features, labels)
+
+    def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
+        """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
+        features, target_logits = self.inputs(batch)
+        out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                             self.target.embed_tokens)
+        self.accelerator.backward(out.loss / self.recipe.grad_accum)
+        scale = 1.0 / self.recipe.grad_accum
+        metrics = StepMetrics(loss=out.loss.detach() * scale, parts=out.step_losses.detach() * scale,
+                              correct=out.step_accuracies * out.step_counts,  # (K,) correct top-1 per part
+                              counted=out.step_counts, tokens=batch["attention_mask"].sum())
+        return metrics if acc is None else acc + metrics
+
+    def held_out(self) -> dict:
+        return self.family.evaluate(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
+                                    self.recipe, self.accelerator)
+
+    def describe(self, result: dict) -> str:
+        return self.family.describe(result)

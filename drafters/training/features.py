@@ -49,7 +49,6 @@ from drafters.eagle3 import fuse_features
 from drafters.dtypes import DTYPES
 from drafters.files import atomic_path, data_sha256, disk_full, file_sha256, write_text_atomic
 from drafters.training.recipe import RecipeError
-from drafters.targets import default_eagle3_layers
 from drafters.training.batches import LengthBuckets, num_tokens
 
 FORMAT = "drafters-features/1"
@@ -58,12 +57,6 @@ DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; 
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")
 STORED_VALUES = ("features", "label_hidden")  # per-token tensors a shard may hold, besides tokens and masks
-LAYER_SPECS = {  # eagle1.feature -> what `features` holds, in words (HF hidden_states indices, docs/conventions.md)
-    "pre_norm": "output of the last decoder layer before the final norm (input of the final norm)",
-    "normed": "hidden_states[L]: the final-normed last hidden state",
-}
-
-
 class FeatureStoreError(RecipeError):
     pass
 
@@ -71,32 +64,17 @@ class FeatureStoreError(RecipeError):
 # ---- the header: what the features were computed from -------------------------------------------
 
 
-# The stored layout each family reads: DFlash reads exactly EAGLE-3's (fused aux layers + the final-normed
-# hidden state for the soft labels), so one store serves both at the same layers.
-FEATURE_FAMILY = {"eagle3": "eagle3", "dflash": "eagle3", "eagle1": "eagle1"}
-
-
-def layer_spec(recipe, target) -> dict:
-    """What `features` (and `label_hidden`) hold for this recipe. spec["features"] is compared on reading:
-    EAGLE-1: eagle1.feature; EAGLE-3 and DFlash: "fused:2,15,27" (the aux layers, HF hidden_states indices)."""
-    if recipe.drafter == "eagle1":
-        return {"features": recipe.eagle1.feature, "what": LAYER_SPECS[recipe.eagle1.feature]}
-    if recipe.drafter in ("eagle3", "dflash"):
-        layers = default_eagle3_layers(target.num_layers) if recipe.layers is None else list(recipe.layers)
-        return {"features": "fused:" + ",".join(map(str, layers)), "layers": layers,
-                "what": f"cat(hidden_states[l] for l in {layers}): the EAGLE-3 fusion input, n*h wide",
-                "label_hidden": "hidden_states[L], final-normed: soft labels = frozen head at supervised rows"}
-    raise FeatureStoreError(f"offline features (features.dir) are implemented for drafter=eagle3, dflash and eagle1, not "
-                            f"{recipe.drafter}; unset features.dir to train {recipe.drafter} online")
-
-
-def features_header(recipe, target) -> dict:
-    """What the stored tensors depend on, from a train/eagle.py recipe and the loaded target."""
+def features_header(recipe, target, family) -> dict:
+    """What the stored tensors depend on, from a train/eagle.py recipe, the loaded target and the family being
+    trained (drafters.training.family.TrainingFamily: its store_layout and layer_spec)."""
+    if not family.offline:
+        raise FeatureStoreError(f"offline features (features.dir) are not implemented for drafter={family.name}; "
+                                f"unset features.dir to train {family.name} online")
     data = asdict(recipe.data)
     return {
         "format": FORMAT,
-        "family": FEATURE_FAMILY.get(recipe.drafter, recipe.drafter),  # whose layout: dflash reads eagle3's
-        "layer_spec": layer_spec(recipe, target),
+        "family": family.store_layout,  # whose layout: dflash reads eagle3's
+        "layer_spec": family.layer_spec(recipe, target),
         "dtype": recipe.features.dtype,
         "shard_rows": recipe.features.shard_rows,
         "target": {**target_info(target), "dtype": str(target.dtype).removeprefix("torch.")},
@@ -301,8 +279,8 @@ class FeatureStore:
                                     "and features.dir; it checks every shard and computes only the damaged ones again")
         return cls(directory, index)
 
-    def check(self, recipe, target) -> None:
-        mismatch = header_mismatch(self.index, features_header(recipe, target))
+    def check(self, recipe, target, family) -> None:
+        mismatch = header_mismatch(self.index, features_header(recipe, target, family))
         if mismatch is not None:
             name, stored, current = mismatch
             raise FeatureStoreError(

@@ -215,11 +215,11 @@ class Summary:
 
 
 def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: list, train_rows, resume,
-        run_class, name: str) -> Summary:
+        family, name: str) -> Summary:
     """The part of every training script after its drafter and objective exist: AdamW on the drafter's
     parameters, accelerate's prepare, the lr schedule, resume, train_loop, a last evaluation and
-    checkpoint-final. `run_class(recipe, accelerator, target, objective, eval_batches, output_dir,
-    train_rows, sampler, resumed)` is the family's RunBase subclass."""
+    checkpoint-final. `family` is the drafters.training.family.TrainingFamily being trained; its `run`, the
+    family's RunBase subclass, drives the loop."""
     say = accelerator.print
     optimizer = torch.optim.AdamW(objective.drafter.parameters(), lr=recipe.optim.lr,
                                   betas=tuple(recipe.optim.betas), weight_decay=recipe.optim.weight_decay)
@@ -235,7 +235,8 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
         step, position, tokens = load_run_state(accelerator, resume, total_steps)
         resumed = (step, tokens)
         say(f"{name}: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
-    run = run_class(recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler, resumed)
+    run = family.run(family, recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler,
+                     resumed)
     losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
     result = run.evaluate(total_steps)
     checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
@@ -264,13 +265,12 @@ class RunBase:
     """The pieces of one training run that the loop, the evaluation and the saving share, the same for
     every family. A subclass provides micro_step(batch, acc) (forward + backward of one micro-batch ->
     summed metric tensors), held_out() -> the evaluation's metrics dict and describe(result) -> its
-    one-line summary (drafters.training.loop.train_loop's docstring), and step_loss_is: what its
-    StepMetrics.parts are, written into every metrics.jsonl row."""
+    one-line summary (the Run protocol above); step_loss_is (what its StepMetrics.parts are, written into
+    every metrics.jsonl row) is the family's loss_parts. resumed: (step, tokens) of the checkpoint resumed."""
 
-    step_loss_is = ""
-
-    def __init__(self, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
+    def __init__(self, family, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
                  sampler, resumed: tuple[int, int] | None = None):
+        self.family, self.step_loss_is, self.resumed = family, family.loss_parts, resumed
         self.recipe, self.accelerator, self.target = recipe, accelerator, target
         self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
         self.train_rows, self.sampler = train_rows, sampler

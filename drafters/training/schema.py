@@ -105,20 +105,12 @@ class TrainRecipe:
 
 
 
-# The entry script that trains each drafter family.
-FAMILY_SCRIPTS = {"eagle3": "train/eagle.py", "eagle1": "train/eagle.py", "dflash": "train/eagle.py",
-                  "medusa": "train/heads.py", "blockwise": "train/heads.py"}
-
-
-def load_train_recipe(argv: list[str], schema, script: str, own_problems=None):
-    """load_recipe, except that a recipe of another script's family is sent to that script instead of
-    failing on the first key of its family (medusa's num_heads: 'did you mean threads?'). Then every
-    check runs once, on one list: the shared sections' (TrainRecipe.problems) and the script's own
-    fields' (own_problems(recipe) -> [str]); one RecipeError names them all."""
-    raw = read_recipe(argv[0], argv[1:])
-    drafter = raw.get("drafter")
-    if isinstance(drafter, str) and FAMILY_SCRIPTS.get(drafter, script) != script:
-        raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {FAMILY_SCRIPTS[drafter]}")
+def load_train_recipe(argv: list[str], schema, own_problems=None, raw: dict | None = None):
+    """argv = [RECIPE.yaml, key=value ...] read into `schema` (`raw`: the recipe already read, overrides
+    applied). Every check runs once, on one list: the shared sections' (TrainRecipe.problems) and the
+    family's own fields' (own_problems(recipe) -> [str]); one RecipeError names them all. Which schema a
+    recipe needs is drafters.training.families.load_recipe's business."""
+    raw = read_recipe(argv[0], argv[1:]) if raw is None else raw
     for override in argv[1:]:
         check_override_key(schema, override)
     recipe = build_overridden(schema, raw, argv[0], argv[1:])
