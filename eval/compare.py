@@ -32,7 +32,8 @@ import re
 import sys
 from pathlib import Path
 
-from drafters.decode import evaluate as tau  # what eval/tau.py runs, in this process
+from drafters.decode.evaluate import Options, measure  # what eval/tau.py runs, in this process
+from drafters.errors import UserError
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, CheckpointError, target_info
 from drafters.decode.proposers.loading import CHECKPOINT_LOADERS, load_proposer, proposer_sha256, split_drafter_spec
 from drafters.decode.report import Entry, render
@@ -130,7 +131,8 @@ def main(argv=None) -> Path:
 def read_engine_report(path: str, target_name: str) -> dict:
     try:
         report = json.loads(Path(path).read_text())
-        rows, target = report["rows"], report["target"]
+        report["rows"]  # a report of eval/llama_cpp.py has its rows; read below by the report writer
+        target = report["target"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SystemExit(f"--engine {path}: not a report of eval/llama_cpp.py --json ({err})") from None
     if target != target_name:
@@ -270,12 +272,9 @@ def unique_labels(entries: list[Entry]) -> None:
 def evaluate(entry: Entry, args, bench: str, temperature: float, tree: str, out: Path, *, speed: bool) -> dict:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{entry.label}-{Path(bench).stem}-t{temperature:g}-{tree}")
     path = out / "runs" / f"{slug}.json"
-    argv = ["--target", args.target, "--proposer", entry.source, "--bench", bench, "--tree", tree,
-            "--temperature", str(temperature), "--max-new-tokens", str(args.max_new_tokens), "--json", str(path)]
-    argv += ["--limit", str(args.limit)] if args.limit else []
-    argv += ["--max-turns", str(args.max_turns)] if args.max_turns else []
-    argv += ["--threads", str(args.threads)] if args.threads else []
-    argv += [] if speed else ["--no-baseline"]
+    options = Options(target=args.target, proposer=entry.source, bench=bench, tree=tree, temperature=temperature,
+                      max_new_tokens=args.max_new_tokens, json=str(path), limit=args.limit or None,
+                      max_turns=args.max_turns or None, threads=args.threads or None, no_baseline=not speed)
     if path.is_file():
         cached = json.loads(path.read_text())
         # the drafter's files, not only its path: a retrained checkpoint at the same path is run again
@@ -287,7 +286,10 @@ def evaluate(entry: Entry, args, bench: str, temperature: float, tree: str, out:
             print(f"compare: reusing {path}")
             return cached
     print(f"compare: {entry.label} on {bench}, temperature {temperature:g}, tree {tree}")
-    return tau.main(argv)
+    try:
+        return measure(options)
+    except UserError as error:
+        raise SystemExit(f"compare: {entry.label}: {error}") from None
 
 
 if __name__ == "__main__":

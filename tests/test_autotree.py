@@ -11,7 +11,8 @@ import torch
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 from drafters.decode import autotree
-from drafters.decode import evaluate as tau
+
+TAU = load_script("eval/tau.py")  # the command line over evaluate.measure
 from drafters.decode.autotree import Probe, RankCounts, Recorder, expected_tau, interpolate, predict
 from drafters.decode.tree import Tree
 
@@ -136,7 +137,7 @@ def bench(tmp_path):
 
 
 def run(bench, out, *extra):
-    return tau.main(["--target", "tiny-random-llama", "--proposer", "draft-model:tiny-random-llama",
+    return TAU.main(["--target", "tiny-random-llama", "--proposer", "draft-model:tiny-random-llama",
                      "--bench", str(bench), "--max-new-tokens", "12", "--threads", "1", "--tree", "auto",
                      "--auto-probe-tokens", "8", "--json", str(out), *CANDIDATES, *extra])
 
@@ -188,7 +189,7 @@ def test_checkpoint_acceptance_is_used_when_asked(bench, tmp_path, monkeypatch):
                     extra={"eval": {"step_acc": [0.5, 0.25, 0.1]}})
     monkeypatch.setattr(autotree, "time_generate", lambda *a, **k: 1e9)
     args = ["--proposer", str(checkpoint), "--auto-acceptance", "checkpoint"]
-    report = tau.main(["--target", "tiny-random-llama", "--bench", str(bench), "--max-new-tokens", "8",
+    report = TAU.main(["--target", "tiny-random-llama", "--bench", str(bench), "--max-new-tokens", "8",
                        "--threads", "1", "--tree", "auto", "--auto-probe-tokens", "6", *CANDIDATES, *args])
     auto = report["tree_auto"]
     assert auto["acceptance_source"].startswith("checkpoint")
@@ -206,7 +207,7 @@ def test_checkpoint_acceptance_is_used_when_asked(bench, tmp_path, monkeypatch):
 ])
 def test_bad_auto_options_fail_before_loading(bench, tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
-        tau.main(["--target", "no-such-target", "--proposer", "prompt-lookup", "--bench", str(bench),
+        TAU.main(["--target", "no-such-target", "--proposer", "prompt-lookup", "--bench", str(bench),
                   "--tree", "auto", *extra])
 
 
@@ -215,7 +216,7 @@ def test_no_prediction_when_no_candidate_could_run(bench, tmp_path):
     load_script("train/heads.py").main(["recipes/medusa_tiny.yaml", f"output_dir={heads}", "max_steps=2",
                                         "save_every=0", "eval_every=0"])
     with pytest.raises(SystemExit, match=r"no candidate tree could be run with this proposer \(chain:5: .*chain:6: "):
-        tau.main(["--target", "tiny-random-llama", "--proposer", str(heads / "checkpoint-final"), "--bench",
+        TAU.main(["--target", "tiny-random-llama", "--proposer", str(heads / "checkpoint-final"), "--bench",
                   str(bench), "--max-new-tokens", "8", "--threads", "1", "--tree", "auto", "--auto-candidates",
                   "chain:5", "chain:6", "--speculate-anyway", "--json", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
@@ -223,7 +224,7 @@ def test_no_prediction_when_no_candidate_could_run(bench, tmp_path):
 
 def test_checkpoint_acceptance_without_a_record_is_refused(bench, tmp_path):
     with pytest.raises(SystemExit, match="records no held-out per-step accuracy"):
-        tau.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench", str(bench),
+        TAU.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench", str(bench),
                   "--tree", "auto", "--auto-acceptance", "checkpoint", "--json", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
 
@@ -242,7 +243,7 @@ def test_heads_drafter_skips_trees_deeper_than_its_heads(bench, tmp_path, monkey
     save_checkpoint(tmp_path / "medusa", family="medusa", config=asdict(config), target=target_info(target),
                     state_dict=MedusaHeads(config).state_dict())
     monkeypatch.setattr(autotree, "time_generate", lambda *a, **k: 1e9)
-    report = tau.main(["--target", "tiny-random-llama", "--proposer", str(tmp_path / "medusa"), "--bench", str(bench),
+    report = TAU.main(["--target", "tiny-random-llama", "--proposer", str(tmp_path / "medusa"), "--bench", str(bench),
                        "--max-new-tokens", "8", "--threads", "1", "--tree", "auto", "--auto-probe-tokens", "6",
                        "--auto-candidates", "chain:2", "chain:4", "dynamic:total=6,depth=3,topk=2"])
     auto = report["tree_auto"]

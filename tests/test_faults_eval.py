@@ -203,7 +203,8 @@ def test_a_junk_folder_as_data_path_names_the_path_and_the_accepted_forms(tmp_pa
 
 # ---- 2. caches and merges trust contents, not names --------------------------------------------------
 
-from drafters.decode import evaluate as tau  # noqa: E402
+
+TAU = load_script("eval/tau.py")  # the command line over evaluate.measure
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +215,7 @@ def shards(tmp_path_factory):
     bench.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc abc", "hello hello", "xyz xyz")))
 
     def shard(name, spec, limit="3"):
-        tau.main(["--target", "tiny-random-llama", "--bench", str(bench), "--limit", limit, "--max-new-tokens", "8",
+        TAU.main(["--target", "tiny-random-llama", "--bench", str(bench), "--limit", limit, "--max-new-tokens", "8",
                   "--threads", "1", "--proposer", "prompt-lookup", "--tree", "chain:3", "--no-baseline",
                   "--shard", spec, "--json", str(root / name)])
         return str(root / name)
@@ -231,8 +232,8 @@ def shards(tmp_path_factory):
 ])
 def test_merge_refuses_anything_but_every_shard_of_one_run_once(shards, names, message):
     with pytest.raises(SystemExit, match=message):
-        tau.main(["--merge", *[shards[n] for n in names]])
-    assert tau.main(["--merge", shards["0/2"], shards["1/2"]])["num_prompts"] == 3  # the complete set merges
+        TAU.main(["--merge", *[shards[n] for n in names]])
+    assert TAU.main(["--merge", shards["0/2"], shards["1/2"]])["num_prompts"] == 3  # the complete set merges
 
 
 def test_merge_refuses_shards_of_a_changed_drafter(shards, tmp_path):
@@ -240,7 +241,7 @@ def test_merge_refuses_shards_of_a_changed_drafter(shards, tmp_path):
     changed["proposer_sha256"] = "0" * 64  # same proposer path, other files
     (tmp_path / "b.json").write_text(json.dumps(changed))
     with pytest.raises(SystemExit, match="proposer_sha256: '0000"):
-        tau.main(["--merge", shards["0/2"], str(tmp_path / "b.json")])
+        TAU.main(["--merge", shards["0/2"], str(tmp_path / "b.json")])
 
 
 def test_compare_reruns_a_drafter_whose_files_changed_at_the_same_path(run_dir, tmp_path, capsys):

@@ -10,7 +10,10 @@ from drafters.decode.benches import BenchItem
 from drafters.decode.decoder import RoundStats
 from drafters.decode.sampling import SamplingConfig
 
-from drafters.decode import evaluate as tau
+from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.decode import evaluate
+
+TAU = load_script("eval/tau.py")  # the command line over evaluate.measure
 
 FIELDS = {"target", "proposer", "bench", "tree", "tree_budget", "sampling", "max_new_tokens",
           "num_prompts", "skipped", "rounds", "tau", "per_depth_acceptance", "baseline",
@@ -30,7 +33,7 @@ def bench(tmp_path):
 
 
 def run(bench, out, *extra):
-    return tau.main(["--target", "tiny-random-llama", "--bench", str(bench), "--limit", "2",
+    return TAU.main(["--target", "tiny-random-llama", "--bench", str(bench), "--limit", "2",
                      "--max-new-tokens", "16", "--threads", "1", "--json", str(out), *extra])
 
 
@@ -64,12 +67,12 @@ def test_draft_model_tree_and_adaptive_chain(bench, tmp_path):
 
 
 def test_formula_helpers():
-    assert tau.acceptance_from_tau(1.0, 4) == 0.0
-    assert tau.acceptance_from_tau(5.0, 4) == 1.0
-    a = tau.acceptance_from_tau(1 + 0.5 + 0.25 + 0.125, 3)
+    assert evaluate.acceptance_from_tau(1.0, 4) == 0.0
+    assert evaluate.acceptance_from_tau(5.0, 4) == 1.0
+    a = evaluate.acceptance_from_tau(1 + 0.5 + 0.25 + 0.125, 3)
     assert abs(a - 0.5) < 1e-9
-    assert abs(tau.expected_speedup(0.5, 3, 0.0) - 1.875) < 1e-9
-    assert abs(tau.expected_speedup(1.0, 3, 1 / 3) - 2.0) < 1e-9
+    assert abs(evaluate.expected_speedup(0.5, 3, 0.0) - 1.875) < 1e-9
+    assert abs(evaluate.expected_speedup(1.0, 3, 1 / 3) - 2.0) < 1e-9
 
 
 def test_chain_tau_is_one_plus_the_sum_of_prefix_products():
@@ -97,7 +100,7 @@ def test_bad_inputs_fail_clearly_and_leave_no_json(bench, tmp_path, extra, messa
     args = ["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench", str(bench),
             "--max-new-tokens", "4", "--json", str(out)]
     with pytest.raises(SystemExit) as error:
-        tau.main(args + extra)
+        TAU.main(args + extra)
     assert message.replace("'", "") in str(error.value).replace("'", "")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # no JSON, no temp file
 
@@ -114,13 +117,13 @@ def test_checkpoint_for_another_target_is_refused(bench, tmp_path):
 def test_prompts_longer_than_the_context_are_counted_skips(tmp_path):
     bench = tmp_path / "long.jsonl"
     bench.write_text(json.dumps({"prompt": "x" * 1100}) + "\n" + json.dumps({"prompt": "short"}) + "\n")
-    report = tau.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench",
+    report = TAU.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench",
                        str(bench), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")])
     assert report["num_prompts"] == 1
     assert report["skipped"][0]["id"] == "1" and report["skipped"][0]["context"] == 1024
     bench.write_text(json.dumps({"prompt": "x" * 1100}) + "\n")
     with pytest.raises(SystemExit, match="every prompt was skipped"):
-        tau.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench",
+        TAU.main(["--target", "tiny-random-llama", "--proposer", "prompt-lookup", "--bench",
                   str(bench), "--json", str(tmp_path / "none.json")])
     assert not (tmp_path / "none.json").exists()
 
@@ -139,10 +142,10 @@ def test_a_tree_too_deep_for_the_context_is_named_not_the_prompts(bench, tmp_pat
 
 
 def test_a_greedy_mismatch_is_recorded_and_loud(capsys):
-    run = tau.Run()
+    run = evaluate.Run()
     prompt, base, spec = torch.tensor([1, 2]), torch.tensor([1, 2, 5, 6, 7]), torch.tensor([1, 2, 5, 9, 7])
     item = BenchItem("q1", "c", ("t",))
-    tau.record(run, item, 0, prompt, base, 1.0, spec, RoundStats(), 1.0, SamplingConfig())
+    evaluate.record(run, item, 0, prompt, base, 1.0, spec, RoundStats(), 1.0, SamplingConfig())
     assert run.mismatches == [{"id": "q1", "turn": 1, "first_difference": 1}]
     assert "MISMATCH" in capsys.readouterr().err
 
@@ -173,7 +176,7 @@ def test_shards_merge_to_the_unsharded_run(bench, tmp_path):
              for i in range(2)]
     assert [p["num_prompts"] for p in parts] == [2, 2]  # items 0, 2 | item 1 (two turns)
     assert all(p["speedup"] is None and p["greedy_check"] is None for p in parts)
-    merged = tau.main(["--merge", str(tmp_path / "part0.json"), str(tmp_path / "part1.json"),
+    merged = TAU.main(["--merge", str(tmp_path / "part0.json"), str(tmp_path / "part1.json"),
                        "--json", str(tmp_path / "merged.json")])
     assert merged["rounds"] == whole["rounds"]
     assert merged["tau"] == pytest.approx(whole["tau"], abs=1e-12)
@@ -186,7 +189,7 @@ def test_merge_refuses_reports_of_different_runs(bench, tmp_path):
     run(bench, tmp_path / "a.json", "--proposer", "prompt-lookup", "--tree", "chain:3", "--no-baseline")
     run(bench, tmp_path / "b.json", "--proposer", "prompt-lookup", "--tree", "chain:4", "--no-baseline")
     with pytest.raises(SystemExit, match="not a shard of the same run.*tree"):
-        tau.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+        TAU.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
 
 
 @pytest.mark.parametrize("extra, message", [(["--shard", "2/2"], "--shard"),

@@ -37,7 +37,6 @@ the speculative turn-1 answer, which is the same text whenever the decoder is lo
 speed or greedy check is reported; use it for tau sweeps, and measure speed without it.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -48,6 +47,7 @@ import torch
 from tqdm import tqdm
 
 from drafters.acceptance import geometric_chain_tau
+from drafters.errors import UserError
 from drafters.files import write_text_atomic
 from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
@@ -59,42 +59,39 @@ from drafters.targets import load_target
 from drafters.decode.tree import ChainSpec, parse_tree_spec
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="short name, HF directory, .gguf file or Hub id")
-    p.add_argument("--proposer", required=True,
-                   help="prompt-lookup | draft-model:<target> | drafter checkpoint directory, ours or exported "
-                        "by another tool (DIR:aux_layers=A,B,C: the HF hidden_states indices an EAGLE-3 "
-                        "directory without layer ids drafts from, instead of the engine's default) | "
-                        "DIR+prompt-lookup[:copy_ngram=N] (the drafter's tree plus lookup continuations, greedy; copy_ngram: "
-                        "rounds where an N-gram match continues for the full depth verify lookup alone)")
-    p.add_argument("--bench", required=True, help="mt_bench | humaneval | humaneval_edit (code edits that copy the prompt) | path to a JSONL file")
-    p.add_argument("--tree", default="chain:4",
-                   help="chain:K | static:... | dynamic:total=,depth=,topk= | auto (fastest on this machine)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="first N bench items")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-turns", type=int, default=None, help="ask at most the first N turns of each item")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--adaptive", action="store_true",
-                   help="chain proposers: +2 after a fully accepted round, -1 otherwise")
-    p.add_argument("--json", default=None, help="write the results here (atomically)")
-    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu) | cpu | cuda[:N]")
-    p.add_argument("--shard", default=None, help="I/N: only bench items with index %% N == I")
-    p.add_argument("--no-baseline", action="store_true",
-                   help="temperature 0 only: skip generate (tau sweeps); no speed or greedy check")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="combine the --json reports of the shards of one run (needs only --json)")
-    autotree.add_arguments(p)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--merge" in argv:  # the evaluation's required options do not apply
-        for action in p._actions:
-            action.required = False
-    return p.parse_args(argv)
+class EvaluationError(UserError):
+    """A measurement that cannot run as asked (bad options, a prompt set nothing fits, a proposer that cannot run
+    the tree), or a greedy output that differs from generate (a decoder bug, after the report is written)."""
+
+
+@dataclass
+class Options:
+    """What one measurement runs: eval/tau.py's command line, field for field (its --help documents them)."""
+    target: str
+    proposer: str
+    bench: str
+    tree: str = "chain:4"  # chain:K | static:... | dynamic:total=,depth=,topk= | auto
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    limit: int | None = None
+    max_new_tokens: int = 256
+    max_turns: int | None = None
+    threads: int | None = None
+    dtype: str = "float32"
+    adaptive: bool = False
+    json: str | None = None
+    device: str = "auto"
+    shard: str | None = None
+    no_baseline: bool = False
+    # --tree auto (drafters.decode.autotree)
+    auto_prompts: int = 2
+    auto_acceptance: str = "calibration"
+    auto_probe_tokens: int = 32
+    auto_candidates: list[str] = field(default_factory=lambda: list(autotree.CANDIDATES))
+    speculate_anyway: bool = False
+    tree_auto: dict | None = field(default=None, init=False)  # set by --tree auto: what it measured and chose
 
 
 @dataclass(frozen=True)
@@ -143,10 +140,9 @@ class Run:
     mismatches: list[dict] = field(default_factory=list)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.merge:
-        return merge(args.merge, args.json)
+def measure(args: Options) -> dict:
+    """The measurement (the module docstring): the report, also written to args.json; EvaluationError for
+    what cannot run as asked."""
     tree, sampling, items = check_inputs(args)  # fail fast, before any model is loaded
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,11 +171,11 @@ def main(argv=None) -> dict:
         if getattr(proposer, "greedy_only", False) and args.temperature > 0:
             raise ValueError(f"--proposer {args.proposer}: verifies greedily only; use --temperature 0")
     except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"tau: {error}") from None
+        raise EvaluationError(f"{error}") from None
     run = Run()
     depth = AdaptiveChain.max_depth if args.adaptive else tree.depth  # the deepest draft of any round
     if depth + args.max_new_tokens >= target.max_position_embeddings:  # no prompt could fit: the tree's fault
-        raise SystemExit(f"tau: --tree {args.tree} drafts {depth} tokens deep: with --max-new-tokens "
+        raise EvaluationError(f"--tree {args.tree} drafts {depth} tokens deep: with --max-new-tokens "
                          f"{args.max_new_tokens} that needs {depth + args.max_new_tokens} positions beyond the prompt, "
                          f"and {target.name} has {target.max_position_embeddings}; use a shallower tree")
     bar = tqdm(items, unit="item", desc="tau", dynamic_ncols=True)  # on stderr: stdout keeps the report
@@ -188,28 +184,28 @@ def main(argv=None) -> dict:
         bar.set_postfix_str(f"tau {run.stats.tau:.2f}, {run.spec_tokens} tokens")
     if not run.prompts:
         first = run.skipped[0]
-        raise SystemExit(f"tau: every prompt was skipped: prompt + --max-new-tokens {args.max_new_tokens} + tree depth "
+        raise EvaluationError(f"every prompt was skipped: prompt + --max-new-tokens {args.max_new_tokens} + tree depth "
                          f"{depth} exceed the context of {target.name} ({target.max_position_embeddings} positions; "
                          f"the first prompt needed {first['needed_positions']}); lower --max-new-tokens, use "
                          "shorter prompts or a shallower tree")
     extra = {"tree_auto": args.tree_auto} if args.tree_auto else None
     report = report_and_write(run, settings, tree.budget, torch.get_num_threads(), args.json, extra)
     if run.mismatches:
-        raise SystemExit(f"tau: {len(run.mismatches)} greedy outputs differ from generate (a bug): "
+        raise EvaluationError(f"{len(run.mismatches)} greedy outputs differ from generate (a bug): "
                          f"{run.mismatches}")
     return report
 
 
 def check_inputs(args):
     if not args.temperature >= 0:
-        raise SystemExit(f"tau: --temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        raise EvaluationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.max_turns is not None and args.max_turns < 1:
-        raise SystemExit(f"tau: --max-turns must be >= 1, got {args.max_turns}")
+        raise EvaluationError(f"--max-turns must be >= 1, got {args.max_turns}")
     if args.max_new_tokens < 1:
-        raise SystemExit(f"tau: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise EvaluationError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     for option, value in (("--auto-prompts", args.auto_prompts), ("--auto-probe-tokens", args.auto_probe_tokens)):
         if value < 1:  # 0 used to calibrate on every prompt, or to skip every candidate and then predict anyway
-            raise SystemExit(f"tau: {option} must be >= 1, got {value}")
+            raise EvaluationError(f"{option} must be >= 1, got {value}")
     args.tree_auto = None
     try:
         tree = None if args.tree == "auto" else parse_tree_spec(args.tree)
@@ -218,15 +214,15 @@ def check_inputs(args):
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed)
         items = list(enumerate(load_bench(args.bench, limit=args.limit)))  # (bench index, item)
     except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"tau: {error}") from None
+        raise EvaluationError(f"{error}") from None
     if args.adaptive and not isinstance(tree, ChainSpec):  # (auto included: it picks the tree)
-        raise SystemExit(f"tau: --adaptive needs a chain tree spec (chain:K), got {args.tree!r}")
+        raise EvaluationError(f"--adaptive needs a chain tree spec (chain:K), got {args.tree!r}")
     if args.no_baseline and args.temperature > 0:
-        raise SystemExit("tau: --no-baseline needs --temperature 0 (sampled turn-2 prompts would differ)")
+        raise EvaluationError("--no-baseline needs --temperature 0 (sampled turn-2 prompts would differ)")
     if args.shard is not None:
         index, slash, count = args.shard.partition("/")
         if not (slash and index.isdigit() and count.isdigit() and int(index) < int(count)):
-            raise SystemExit(f"tau: --shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+            raise EvaluationError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/4")
         items = items[int(index)::int(count)]  # items keep their bench index, so their seeds too
     return tree, sampling, items
 
@@ -260,9 +256,9 @@ def device(name: str) -> torch.device:
     try:
         chosen = torch.device(name)
     except RuntimeError:
-        raise SystemExit(f"tau: --device {name!r}: expected auto, cpu or cuda[:N]") from None
+        raise EvaluationError(f"--device {name!r}: expected auto, cpu or cuda[:N]") from None
     if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tau: --device cuda but torch sees no CUDA device; use --device cpu")
+        raise EvaluationError("--device cuda but torch sees no CUDA device; use --device cpu")
     return chosen
 
 
@@ -438,7 +434,7 @@ def merge(paths: list[str], out: str | None) -> dict:
         try:
             reports.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as error:  # ValueError: bad JSON or not UTF-8
-            raise SystemExit(f"tau --merge: cannot read {path}: {error}") from None
+            raise EvaluationError(f"--merge: cannot read {path}: {error}") from None
     check_same_run(paths, reports)
     check_all_shards(paths, reports)
     run = Run()
@@ -460,10 +456,10 @@ def merge(paths: list[str], out: str | None) -> dict:
 def check_same_run(paths: list[str], reports: list[dict]) -> None:
     for path, r in zip(paths, reports):
         if "raw" not in r:
-            raise SystemExit(f"tau --merge: {path} has no per-round counts ('raw'); rerun it with this version")
+            raise EvaluationError(f"--merge: {path} has no per-round counts ('raw'); rerun it with this version")
         differ = [f"{k}: {r.get(k)!r} vs {reports[0].get(k)!r}" for k in SAME_RUN if r.get(k) != reports[0].get(k)]
         if differ:
-            raise SystemExit(f"tau --merge: {path} is not a shard of the same run as {paths[0]}: "
+            raise EvaluationError(f"--merge: {path} is not a shard of the same run as {paths[0]}: "
                              + "; ".join(differ))
 
 
@@ -473,19 +469,19 @@ def check_all_shards(paths: list[str], reports: list[dict]) -> None:
     for path, r in zip(paths, reports):
         index, slash, count = str(r.get("shard")).partition("/")
         if not (slash and index.isdigit() and count.isdigit()):
-            raise SystemExit(f"tau --merge: {path} is not a shard (shard {r.get('shard')!r}); merge the --json "
+            raise EvaluationError(f"--merge: {path} is not a shard (shard {r.get('shard')!r}); merge the --json "
                              "reports of the --shard I/N runs of one evaluation")
         shards.setdefault(int(count), {}).setdefault(int(index), []).append(path)
     if len(shards) > 1:
-        raise SystemExit("tau --merge: the shards split the bench in different ways: " + "; ".join(
+        raise EvaluationError("--merge: the shards split the bench in different ways: " + "; ".join(
             f"N={n}: {', '.join(p for ps in found.values() for p in ps)}" for n, found in sorted(shards.items())))
     (count, found), = shards.items()
     twice = [f"{i}/{count} ({', '.join(ps)})" for i, ps in sorted(found.items()) if len(ps) > 1]
     if twice:
-        raise SystemExit(f"tau --merge: shard given more than once: {'; '.join(twice)}")
+        raise EvaluationError(f"--merge: shard given more than once: {'; '.join(twice)}")
     missing = [f"{i}/{count}" for i in range(count) if i not in found]
     if missing:
-        raise SystemExit(f"tau --merge: missing shard {', '.join(missing)} of {count}: run it with --shard "
+        raise EvaluationError(f"--merge: missing shard {', '.join(missing)} of {count}: run it with --shard "
                          f"and merge all {count}")
 
 
@@ -530,6 +526,3 @@ def print_report(r: dict) -> None:
 def write_json_atomic(path: Path, report: dict) -> None:
     write_text_atomic(path, json.dumps(report, indent=2, allow_nan=False))
 
-
-if __name__ == "__main__":
-    main()
