@@ -14,11 +14,12 @@ from typing import Iterable
 
 import torch
 from torch import Tensor
+from drafters.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
-class DraftVocabError(ValueError):
+class DraftVocabError(UserError):
     pass
 
 

@@ -30,6 +30,7 @@ from drafters.targets import Target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.training.eagle1 import chain_loss
 from test_sampling import chi_square_pvalue
@@ -226,7 +227,7 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkey
         return inner(run, *args, **kwargs)
 
     monkeypatch.setattr(loop, "train_loop", interrupted)
-    with pytest.raises(SystemExit, match="resume_from"):
+    with pytest.raises(Stopped, match="resume_from"):
         eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}"])
     monkeypatch.setattr(loop, "train_loop", inner)
     eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "resume_from=latest"])

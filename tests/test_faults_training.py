@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
-from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
+from drafters.errors import Stopped  # noqa: E402
+from drafters.training import loop  # noqa: E402
+from drafters.training.checkpoints import DiskFull  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
 from drafters.training.recipe import RecipeError
 
@@ -102,7 +104,7 @@ def test_interrupt_in_any_phase_saves_the_finished_step_and_resumes_bitwise(unin
     script, out = SCRIPTS[recipe], tmp_path / "run"
     inner = loop.train_loop
     monkeypatch.setattr(loop, "train_loop", interrupt_during(phase, script, monkeypatch))
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(Stopped) as stopped:
         train(recipe, out)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handlers are back
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
@@ -146,7 +148,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 1 and "interrupted: saved the state after step" in stderr, stderr[-2000:]
+    assert process.returncode == 130 and "stopped: interrupted: saved the state after step" in stderr, stderr[-2000:]
     assert not (out / "checkpoint-final").exists()
     assert 2 <= max(json.loads(row)["step"] for row in metrics.read_text().splitlines()) < 60
     train("recipes/eagle3_tiny.yaml", out, *LONG, "resume_from=latest")
@@ -347,7 +349,7 @@ def test_a_full_disk_while_saving_says_what_to_do_and_keeps_the_earlier_checkpoi
         return save_file(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_file", full_at_the_second_save)
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(DiskFull) as stopped:
         train("recipes/eagle3_tiny.yaml", out, "save_every=2")
     assert str(stopped.value) == (f"no space left on device while writing checkpoint-4 to {out}; nothing was "
                                   f"half-written; free space and resume from {out / 'checkpoint-2'} "

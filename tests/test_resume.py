@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
 from drafters.training.recipe import RecipeError
@@ -75,7 +76,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path,
         return inner(run, *args, **kwargs)
 
     monkeypatch.setattr(loop, "train_loop", interrupt_at_3)
-    with pytest.raises(SystemExit, match=r"interrupted: saved the state after step 3 .*checkpoint-3"):
+    with pytest.raises(Stopped, match=r"interrupted: saved the state after step 3 .*checkpoint-3"):
         train(out)
     monkeypatch.setattr(loop, "train_loop", inner)
     train(out, f"resume_from={out / 'checkpoint-3'}")

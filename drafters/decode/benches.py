@@ -12,6 +12,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from drafters.errors import UserError
 
 # name -> (PyPI package, import name, file inside the package directory)
 PACKAGED_BENCHES = {
@@ -40,6 +41,10 @@ class BenchItem:
     completion: bool = False    # HumanEval: a raw code prefix for base targets, wrapped for chat
 
 
+
+class BenchError(UserError):
+    """A bench name, file or row this module cannot read: the message names the file and line."""
+
 def bench_names() -> list[str]:
     return sorted(PACKAGED_BENCHES)
 
@@ -47,7 +52,7 @@ def bench_names() -> list[str]:
 def load_bench(name_or_path: str, *, limit: int | None = None) -> list[BenchItem]:
     """`mt_bench`, `humaneval`, `humaneval_edit`, or a path to a JSONL file of prompts or conversations."""
     if limit is not None and limit < 1:
-        raise ValueError(f"bench limit must be >= 1, got {limit}")
+        raise BenchError(f"bench limit must be >= 1, got {limit}")
     name = ALIASES.get(name_or_path.lower(), name_or_path.lower())
     if name == "mt_bench":
         items = _mt_bench(_packaged_file(name))
@@ -58,7 +63,7 @@ def load_bench(name_or_path: str, *, limit: int | None = None) -> list[BenchItem
     elif Path(name_or_path).is_file():
         items = _local_jsonl(Path(name_or_path))
     else:
-        raise ValueError(
+        raise BenchError(
             f"unknown bench {name_or_path!r}: choose one of {', '.join(bench_names())} "
             "or give the path of an existing JSONL file of {\"prompt\": ...} rows or conversations"
         )
@@ -91,9 +96,9 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({error})") from None
+                raise BenchError(f"{path}, line {number}: not valid JSON ({error})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {number}: expected a JSON object per line")
+                raise BenchError(f"{path}, line {number}: expected a JSON object per line")
             rows.append((number, row))
     return rows
 
@@ -103,7 +108,7 @@ def _mt_bench(path: Path) -> list[BenchItem]:
     for number, row in _read_jsonl(path):
         turns = row.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"{path}, line {number}: field 'turns' must be a list of strings")
+            raise BenchError(f"{path}, line {number}: field 'turns' must be a list of strings")
         items.append(BenchItem(str(row["question_id"]), row["category"], tuple(turns)))
     return items
 
@@ -112,7 +117,7 @@ def _humaneval(path: Path) -> list[BenchItem]:
     items = []
     for number, row in _read_jsonl(path):
         if not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path}, line {number}: field 'prompt' must be a string")
+            raise BenchError(f"{path}, line {number}: field 'prompt' must be a string")
         items.append(BenchItem(row["task_id"], "coding", (row["prompt"],), completion=True))
     return items
 
@@ -122,7 +127,7 @@ def _humaneval_edit(path: Path) -> list[BenchItem]:
     for number, row in _read_jsonl(path):
         fields = [row.get(k) for k in ("prompt", "canonical_solution", "entry_point")]
         if not all(isinstance(f, str) for f in fields):
-            raise ValueError(f"{path}, line {number}: fields 'prompt', 'canonical_solution' and 'entry_point' "
+            raise BenchError(f"{path}, line {number}: fields 'prompt', 'canonical_solution' and 'entry_point' "
                              "must be strings")
         prompt, body, name = fields
         turn = EDIT_INSTRUCTION.format(old=name, new=name + "_v2", code=(prompt + body).strip() + "\n")
@@ -135,7 +140,7 @@ def _local_jsonl(path: Path) -> list[BenchItem]:
     for number, row in _read_jsonl(path):
         turns = _user_turns(row)
         if not turns:
-            raise ValueError(
+            raise BenchError(
                 f"{path}, line {number}: no user turn found; expected a string field 'prompt' or "
                 "a list 'conversations' / 'messages' of {role, content} (or ShareGPT {from, value})"
             )
@@ -143,7 +148,7 @@ def _local_jsonl(path: Path) -> list[BenchItem]:
         category = str(row.get("category", row.get("source", path.stem)))
         items.append(BenchItem(item_id, category, tuple(turns)))
     if not items:
-        raise ValueError(f"{path}: no rows")
+        raise BenchError(f"{path}: no rows")
     return items
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from drafters.decode.sampling import sample_without_replacement
+from drafters.errors import UserError
 
 # EAGLE-1 default tree (SafeAILab/EAGLE, eagle/model/choices.py `mc_sim_7b_63`): 25 draft nodes, depth 5.
 EAGLE1_PATHS = [
@@ -40,6 +41,10 @@ MEDUSA_PATHS = [
     [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
 ]  # fmt: skip
 NAMED_SHAPES = {"eagle1": EAGLE1_PATHS, "medusa": MEDUSA_PATHS}
+
+
+class TreeSpecError(UserError):
+    """A tree spec (--tree, a static paths file) that cannot be read; the message shows the grammar."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,17 +176,17 @@ class TreeShape:
 
 def _check_paths(paths: list[tuple[int, ...]]) -> None:
     if not paths:
-        raise ValueError("tree shape: empty path list; give e.g. [[0], [1], [0, 0]]")
+        raise TreeSpecError("tree shape: empty path list; give e.g. [[0], [1], [0, 0]]")
     seen = set()
     for p in paths:
         if not p or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in p):
-            raise ValueError(f"tree shape: path {list(p)} must be a non-empty list of ranks >= 0")
+            raise TreeSpecError(f"tree shape: path {list(p)} must be a non-empty list of ranks >= 0")
         if p in seen:
-            raise ValueError(f"tree shape: duplicate path {list(p)}")
+            raise TreeSpecError(f"tree shape: duplicate path {list(p)}")
         seen.add(p)
     for p in paths:
         if len(p) > 1 and p[:-1] not in seen:
-            raise ValueError(f"tree shape: path {list(p)} needs its prefix {list(p[:-1])} in the list too")
+            raise TreeSpecError(f"tree shape: path {list(p)} needs its prefix {list(p[:-1])} in the list too")
 
 
 @dataclass(frozen=True)
@@ -359,8 +364,8 @@ def parse_tree_spec(spec: str) -> TreeSpec:
         if kind == "dynamic":
             return _parse_dynamic(arg)
     except (ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"bad tree spec {spec!r}: {e}\n{TREE_SPEC_GRAMMAR}") from e
-    raise ValueError(f"bad tree spec {spec!r}\n{TREE_SPEC_GRAMMAR}")
+        raise TreeSpecError(f"bad tree spec {spec!r}: {e}\n{TREE_SPEC_GRAMMAR}") from e
+    raise TreeSpecError(f"bad tree spec {spec!r}\n{TREE_SPEC_GRAMMAR}")
 
 
 def _load_paths(arg: str):
@@ -370,9 +375,9 @@ def _load_paths(arg: str):
         return json.loads(arg)
     if arg.endswith(".json"):
         if not Path(arg).is_file():
-            raise ValueError(f"no such paths file {arg}")
+            raise TreeSpecError(f"no such paths file {arg}")
         return json.loads(Path(arg).read_text())
-    raise ValueError(f"unknown static tree {arg!r}: use {' / '.join(NAMED_SHAPES)}, a .json file or inline JSON")
+    raise TreeSpecError(f"unknown static tree {arg!r}: use {' / '.join(NAMED_SHAPES)}, a .json file or inline JSON")
 
 
 DYNAMIC_KEYS = ("total", "depth", "topk")
@@ -385,12 +390,12 @@ def _parse_dynamic(arg: str) -> DynamicSpec:
     for item in filter(None, arg.split(",")):
         key, eq, value = item.partition("=")
         if key not in DYNAMIC_KEYS or key in fields or not eq or not re.fullmatch(r"\d+", value) or int(value) < 1:
-            raise ValueError(f"bad field {item!r}: expected each of {', '.join(k + '=N' for k in DYNAMIC_KEYS)} "
+            raise TreeSpecError(f"bad field {item!r}: expected each of {', '.join(k + '=N' for k in DYNAMIC_KEYS)} "
                              "once, with N >= 1")
         fields[key] = int(value)
     missing = [k for k in DYNAMIC_KEYS if k not in fields]
     if missing:
-        raise ValueError(f"missing {', '.join(missing)}: a dynamic tree needs all of {', '.join(DYNAMIC_KEYS)}")
+        raise TreeSpecError(f"missing {', '.join(missing)}: a dynamic tree needs all of {', '.join(DYNAMIC_KEYS)}")
     return DynamicSpec(**fields)
 
 

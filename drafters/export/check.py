@@ -35,9 +35,10 @@ from safetensors.torch import load_file
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint, nonfinite
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.layers import DraftKVCache
+from drafters.errors import UserError
 
 
-class ExportCheckError(ValueError):
+class ExportCheckError(UserError):
     pass
 
 

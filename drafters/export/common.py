@@ -16,13 +16,14 @@ from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_
 from drafters.dtypes import dtype_name, spellings
 from drafters.export.check import check_finite
 from drafters.files import move_dir_into_place
+from drafters.errors import UserError
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EXPORT_DTYPES = ("float32", "bfloat16")  # what engines load; drafters.dtypes names
 EXPORT_DTYPE_SPELLINGS = spellings(EXPORT_DTYPES)  # float32, bfloat16, fp32, bf16 (eval/export.py --dtype)
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     pass
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from drafters.checkpoint import CheckpointError, check_target, damage, save_checkpoint, step_checkpoints
+from drafters.errors import UserError
 from drafters.files import data_sha256, disk_full, hold_lock
 from drafters.training.recipe import RecipeError
 
@@ -109,6 +110,10 @@ def save_resumable(accelerator, path: Path, step: int, position: Position, token
         save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
 
 
+class DiskFull(UserError):
+    """The disk filled while a checkpoint was written; nothing is half-written, the message says what resumes."""
+
+
 @contextmanager
 def disk_full_says(path: Path):
     """A full disk while saving ends the run with what to do (the writes are atomic: the temporary
@@ -120,7 +125,7 @@ def disk_full_says(path: Path):
             raise
         saved = [p for _, p in step_checkpoints(path.parent) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
         then = f"resume from {saved[-1]} (resume_from=latest)" if saved else "run again (no checkpoint was saved yet)"
-        raise SystemExit(f"no space left on device while writing {path.name} to {path.parent}; nothing was "
+        raise DiskFull(f"no space left on device while writing {path.name} to {path.parent}; nothing was "
                          f"half-written; free space and {then}") from None
 
 

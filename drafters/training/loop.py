@@ -39,6 +39,7 @@ from drafters.training.checkpoints import (
 )
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.recipe import RecipeError, to_dict
+from drafters.errors import Stopped, UserError
 
 
 def make_accelerator(recipe, script: str):
@@ -97,8 +98,8 @@ def start_run(recipe, script: str):
 # ---- the loop ---------------------------------------------------------------------------------------
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteLoss(UserError):
+    """A loss that is not finite: the message names the step, its data rows and the last good checkpoint."""
 
 
 class StopRequests:
@@ -197,8 +198,8 @@ def save_and_exit(run, step: int, position: Position, signal_name: str | None) -
         run.log.flush(run.reduce_sum, accelerator.num_processes)
     accelerator.print(f"{signal_name or 'a signal to another process'}: saving the state after step {step}")
     path = run.save(run.output_dir / f"checkpoint-{step}", step, None, position)
-    raise SystemExit(f"interrupted: saved the state after step {step} to {path}; continue with "
-                     f"resume_from={path} (or resume_from=latest)")
+    raise Stopped(f"interrupted: saved the state after step {step} to {path}; continue with "
+                  f"resume_from={path} (or resume_from=latest)")
 
 
 @dataclass

@@ -28,13 +28,13 @@ class RecipeError(UserError):
 def run_main(main) -> None:
     """An entry script's `if __name__ == "__main__":` - main(sys.argv[1:]), where a UserError (a wrong
     recipe, data file, target or checkpoint, and what to do about it) prints `error: <message>` and exits
-    2, without a traceback; Ctrl-C outside the training loop (which saves and stops on its own) exits 130
+    2 (drafters.errors: a run stopped by a signal prints `stopped: ...` and exits 130), without a traceback; Ctrl-C outside the training loop (which saves and stops on its own) exits 130
     with a sentence."""
     try:
         main(sys.argv[1:])
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        print(f"{error.label}: {error}", file=sys.stderr)
+        raise SystemExit(error.exit_code) from None
     except KeyboardInterrupt:  # before the loop's own handler is in place (start-up: loading the target, the data)
         print("\ninterrupted (Ctrl-C); what was saved before is intact: run the same command to start again (a "
               "training run with resume_from=latest continues from its last checkpoint)", file=sys.stderr)
