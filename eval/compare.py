@@ -37,7 +37,7 @@ from drafters.errors import UserError
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, CheckpointError, target_info
 from drafters.decode.proposers.loading import CHECKPOINT_LOADERS, load_proposer, proposer_sha256, split_drafter_spec
 from drafters.decode.report import Entry, render
-from drafters.export.check import ExportCheckError
+from drafters.export.reading import ExportCheckError
 from drafters.export.common import MARKER
 from drafters.targets import load_target
 from drafters.decode.tree import parse_tree_spec

@@ -28,7 +28,7 @@ import sys
 from drafters.checkpoint import CheckpointError
 from drafters.export.common import EXPORT_DTYPE_SPELLINGS, ExportError, describe
 from drafters.export.dispatch import FORMATS, export_checkpoint
-from drafters.export.check import ExportCheckError
+from drafters.export.reading import ExportCheckError
 from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError
 from drafters.targets import TargetError, load_target
 

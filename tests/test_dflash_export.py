@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import build_draft_vocab
-from drafters.export.check import ExportCheckError
+from drafters.export.reading import ExportCheckError
 from drafters.export.dflash import check_dflash_export, read_dflash_export
 from drafters.export.dispatch import ExportError, export_checkpoint
 from drafters.targets import load_target

@@ -11,7 +11,8 @@ from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.check import ExportCheckError, check_export
+from drafters.export.check import check_export
+from drafters.export.reading import ExportCheckError
 from drafters.decode.sampling import SamplingConfig
 from drafters.targets import load_target
 from conftest import load_script  # tests/ is on sys.path under pytest

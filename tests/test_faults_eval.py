@@ -13,7 +13,8 @@ from drafters.checkpoint import load_checkpoint, target_info
 from drafters.training.data import DataError, load_conversations
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.check import ExportCheckError, check_export
+from drafters.export.check import check_export
+from drafters.export.reading import ExportCheckError
 from drafters.export.medusa import read_medusa_export
 from drafters.decode.proposers.loading import load_proposer
 from drafters.targets import load_target

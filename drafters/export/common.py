@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
 from drafters.dtypes import dtype_name, spellings
-from drafters.export.check import check_finite
+from drafters.export.reading import check_finite
 from drafters.files import move_dir_into_place
 from drafters.errors import UserError
 

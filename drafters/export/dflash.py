@@ -39,8 +39,8 @@ import torch
 from drafters.checkpoint import Checkpoint
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab, DraftVocabError
-from drafters.export.check import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
-                                   read_tensors)
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
+                                     read_tensors)
 from drafters.dtypes import DTYPES
 from drafters.export.common import (
     ExportError,

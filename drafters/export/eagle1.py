@@ -41,8 +41,8 @@ from drafters.layers import DraftKVCache
 from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
                                     export_target, load_source)
-from drafters.export.check import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, config_dtype, get_field,
-                                   llama_default, note_defaults, read_json, read_tensors, rope_fields)
+from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, config_dtype, get_field,
+                                     llama_default, note_defaults, read_json, read_tensors, rope_fields)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 

@@ -35,7 +35,7 @@ from drafters.checkpoint import Checkpoint, CheckpointError
 from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
                                     export_target, load_source)
-from drafters.export.check import ExportCheckError, check_finite, config_dtype, read_json, read_tensors
+from drafters.export.reading import ExportCheckError, check_finite, config_dtype, read_json, read_tensors
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.registry import load_drafter
 
