@@ -289,10 +289,3 @@ def test_a_bad_config_in_the_file_is_named_where_it_is_read(setup, tmp_path, fie
     (tmp_path / "bad" / "drafter.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'bad'}.*DFlash config: {message}"):
         load_dflash_proposer(tmp_path / "bad", target, "chain:3")
-
-
-def test_propose_before_reset_is_refused(setup):
-    target, references, path = setup
-    proposer = load_dflash_proposer(path, target, "chain:3")
-    with pytest.raises(RuntimeError, match="call reset"):
-        proposer.propose(references[0, :PROMPT], 5, GREEDY)

@@ -288,10 +288,3 @@ def test_checkpoint_for_another_target_is_refused(setup, tmp_path):
                     state_dict=state)
     with pytest.raises(CheckpointError, match="(?s)weights do not match.*norm.weight"):
         load_eagle_proposer(tmp_path / "partial", target, "chain:3")
-
-
-def test_propose_before_reset_is_refused(setup):
-    target, references, path = setup
-    proposer = load_eagle_proposer(path, target, "chain:3")
-    with pytest.raises(RuntimeError, match="call reset"):
-        proposer.propose(references[0, :PROMPT], 5, GREEDY)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from drafters.decode.proposers.loading import FAMILY_LOADERS
+from drafters.export.dispatch import EXPORT_FORMATS
 from drafters.registry import FAMILIES, NAMES
 from drafters.training.families import SCRIPT_DEFAULTS, TRAINING_FAMILIES
 
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("table, name", [(TRAINING_FAMILIES, "drafters.training.families.TRAINING_FAMILIES"),
                                          (FAMILY_LOADERS, "drafters.decode.proposers.loading.FAMILY_LOADERS"),
+                                         (EXPORT_FORMATS, "drafters.export.dispatch.EXPORT_FORMATS"),
                                          (NAMES, "drafters.registry.NAMES")])
 def test_every_layer_knows_every_family(table, name):
     assert set(table) == set(FAMILIES), f"{name}: missing {set(FAMILIES) - set(table)}, extra {set(table) - set(FAMILIES)}"

@@ -205,7 +205,8 @@ def test_wrong_format_wrong_family_wrong_target_and_corrupt_exports_fail_clearly
     blockwise = BlockwiseHeads(BlockwiseConfig.from_target_config(tiny.config, num_heads=K))
     save_checkpoint(tmp_path / "bw", family="blockwise", config=asdict(blockwise.config), target=target_info(tiny),
                     state_dict=blockwise.state_dict())
-    with pytest.raises(ExportError, match="it is a 'blockwise' checkpoint .*; use --format native"):
+    with pytest.raises(ExportError, match="export of a blockwise checkpoint to medusa is not supported .*Blockwise "
+                                          r"heads share one hidden layer .*\); use --format native$"):
         export_checkpoint(tmp_path / "bw", "medusa", tmp_path / "x")
     assert export_checkpoint(tmp_path / "bw", "native", tmp_path / "bw_native").files == ["drafter.json",
                                                                                          "model.safetensors"]

@@ -97,8 +97,6 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConfig]:
     """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
-    if ckpt.family != "dflash":
-        raise ExportError(f"{ckpt.path}: a {ckpt.family} checkpoint, not dflash")
     expected = export_target(ckpt, target)
     try:
         c = DFlashConfig(**ckpt.config)

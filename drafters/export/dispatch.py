@@ -39,6 +39,24 @@ from drafters.export.llama_cpp import export_llama_cpp
 from drafters.export.medusa import export_medusa
 
 FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp")
+# The export layer's family table (keyed as drafters.registry.FAMILIES, tests/test_families.py): the formats each
+# family's checkpoints export to, and what each engine format holds, said when another family is asked of it.
+EXPORT_FORMATS = {
+    "eagle3": ("sglang", "vllm", "llama.cpp", "native"),
+    "dflash": ("sglang", "vllm", "llama.cpp", "native"),  # in the engines' DFlash layouts (drafters.export.dflash)
+    "eagle1": ("eagle1", "native"),
+    "medusa": ("medusa", "native"),
+    "blockwise": ("native",),
+}
+FORMAT_HOLDS = {
+    "sglang": "sglang and vllm hold EAGLE-3 and DFlash drafters",
+    "vllm": "sglang and vllm hold EAGLE-3 and DFlash drafters",
+    "llama.cpp": "llama.cpp serves EAGLE-3 and DFlash drafters (--spec-type draft-eagle3 / draft-dflash)",
+    "medusa": "the Medusa layout holds Medusa heads only; Blockwise heads share one hidden layer d -> K*f -> K*d "
+              "across heads, which no Medusa loader builds",
+    "eagle1": "the official EAGLE-1 layout holds EAGLE-1 drafters only",
+}
+WRITERS = {"dflash": export_dflash}  # a family whose sglang / vllm layouts are its own, not EAGLE-3's
 
 
 def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
@@ -48,11 +66,15 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     speculative_tokens (vllm): None = 3 for EAGLE-3 (vLLM's default depth), block_size - 1 for DFlash."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    family = _family(ckpt_dir)
+    if family in EXPORT_FORMATS and fmt not in EXPORT_FORMATS[family]:
+        raise ExportError(f"export of a {family} checkpoint to {fmt} is not supported ({FORMAT_HOLDS[fmt]}); use "
+                          f"--format {' or '.join(EXPORT_FORMATS[family])}")
     if fmt == "llama.cpp":  # via the vllm (EAGLE-3) or sglang (DFlash) layout, then llama.cpp's converter
         return export_llama_cpp(ckpt_dir, out_dir, target=target, export_checkpoint=export_checkpoint, dtype=dtype,
                                 overwrite=overwrite)
-    if fmt in ("sglang", "vllm") and _family(ckpt_dir) == "dflash":  # the DFlash layouts of both engines
-        return export_dflash(ckpt_dir, fmt, out_dir, target=target, dtype=dtype, speculative_tokens=speculative_tokens,
+    if fmt in ("sglang", "vllm") and family in WRITERS:  # the DFlash layouts of both engines
+        return WRITERS[family](ckpt_dir, fmt, out_dir, target=target, dtype=dtype, speculative_tokens=speculative_tokens,
                              verifier=verifier, overwrite=overwrite)
     speculative_tokens = 3 if speculative_tokens is None else speculative_tokens
     if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)

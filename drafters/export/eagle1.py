@@ -65,9 +65,6 @@ def export_eagle1(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", overwr
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
     """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
-    if ckpt.family != "eagle1":
-        raise ExportError(f"export of a {ckpt.family} checkpoint to eagle1 (the official EAGLE-1 layout) is not "
-                          f"supported; use --format native (or the {ckpt.family} family's own format)")
     expected = export_target(ckpt, target)
     try:
         c = Eagle1Config(**ckpt.config)

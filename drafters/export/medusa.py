@@ -106,12 +106,6 @@ def export_medusa(ckpt_dir, out_dir, *, target=None, dtype: str = "fp32", base_m
 
 def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
     """-> (target facts, MedusaConfig); raises ExportError before anything is written."""
-    if ckpt.family != "medusa":
-        why = {"blockwise": "Blockwise heads share one hidden layer d -> K*f -> K*d across heads, which no "
-                            "Medusa loader builds"}.get(ckpt.family, "the Medusa layout holds Medusa heads only")
-        raise ExportError(f"refusing to export {ckpt.path} to the medusa format: it is a {ckpt.family!r} "
-                          f"checkpoint ({why}); use --format native" +
-                          ("" if ckpt.family == "blockwise" else " or the family's own formats"))
     expected = export_target(ckpt, target)
     try:
         config = load_drafter(ckpt, families=("medusa",)).config
