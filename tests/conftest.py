@@ -25,6 +25,19 @@ def load_script(relative_path: str):
     return module
 
 
+# Test tiers: `pytest -m "not slow"` is the inner loop (under two minutes on one core); CI runs everything.
+# Slow = marked `slow` by hand (subprocesses, training runs end to end, distribution checks with many samples), or
+# needing a real target, llama.cpp or the consumers' venv, or a module whose every test starts processes.
+SLOW_MARKERS = ("real", "llama_cpp", "consumers")
+SLOW_MODULES = ("test_distributed",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES or any(item.get_closest_marker(m) for m in SLOW_MARKERS):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def default_signal_handlers():
     # Tests that send SIGINT / SIGTERM to a training loop expect the interactive defaults, whatever the

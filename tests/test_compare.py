@@ -35,6 +35,7 @@ def report(checkpoint, tmp_path_factory):
     return run_compare(out, checkpoint), out
 
 
+@pytest.mark.slow
 def test_report_renders_with_one_row_per_run_and_decodable_plots(report):
     index, out = report
     text = index.read_text()

@@ -219,6 +219,7 @@ def test_cache_after_update_equals_cache_built_from_scratch(setup, tree, samplin
 @pytest.mark.parametrize("setup", ["llama"], indirect=True)  # the verifier is target-independent
 @pytest.mark.parametrize("tree", ["chain:3", "static:[[0],[1],[2],[0,0],[1,0]]"])
 @torch.no_grad()
+@pytest.mark.slow
 def test_sampled_decoding_reproduces_the_targets_distribution(setup, tree):
     # the first two new tokens many times over: the first from the prefill, the second from a DFlash round
     # (an accepted draft, or a residual / bonus sample); their joint law must be the target's (chi-square,

@@ -290,6 +290,7 @@ def test_greedy_matches_generate(trained, tree):
 
 @pytest.mark.parametrize("trained", ["pre_norm"], indirect=True)  # verification ignores the feature kind
 @torch.no_grad()
+@pytest.mark.slow
 def test_sampled_decoding_reproduces_the_target_distribution(trained):
     # chi-square on (token 1, token 2) of 600 sampled generations, as tests/test_sampling.py: the EAGLE-1
     # drafts (sampled siblings without replacement, static tree) must not bias what the target emits

@@ -137,6 +137,7 @@ def test_an_ignored_signal_stays_ignored_during_the_loop():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
     whole, out = tmp_path / "whole", tmp_path / "terminated"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -159,6 +160,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_bitwise(tmp_path):
 # ---- 3. a new run never silently replaces an earlier one ------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_running_runs_directory_is_refused_and_a_killed_runs_lock_is_not(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -275,6 +277,7 @@ def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
                                             ("train/heads.py", "recipes/medusa_tiny.yaml"),
                                             ("train/features.py", "recipes/eagle1_tiny.yaml"),
                                             ("train/regenerate.py", "recipes/tiny_regenerate.yaml")])
+@pytest.mark.slow
 def test_a_recipe_error_prints_only_its_message(script, recipe):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, script, recipe, "bogus_key=1"], cwd=ROOT, env=env, capture_output=True,
@@ -287,6 +290,7 @@ def test_a_recipe_error_prints_only_its_message(script, recipe):
     ("data.path={junk}", "error: {junk} is a folder but not a readable `datasets` save_to_disk folder"),
     ("target=no-such-target-dir/", "error: "),
 ])
+@pytest.mark.slow
 def test_a_data_or_target_error_prints_only_its_message(tmp_path, override, message):
     # every UserError (recipe, data, target, checkpoint), not only RecipeError, ends without a traceback
     junk = tmp_path / "junk"
@@ -368,6 +372,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_writing_features_says_what_to_do_and_the_rerun_continues(small_disk, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "train/features.py", "recipes/eagle3_tiny.yaml", f"features.dir={small_disk / 'f'}",
@@ -388,6 +393,7 @@ def test_a_full_disk_while_writing_features_says_what_to_do_and_the_rerun_contin
     assert done.stdout.count("already complete, skipped") == 4 and "10 shards" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_really_full_disk_while_saving_says_what_to_do(small_disk):
     # the first checkpoint's safetensors fit, torch.save of the optimizer state does not (it used to end in
     # "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos", a traceback)

@@ -48,6 +48,7 @@ def assert_same_run(a, b):
     assert losses(a) == losses(b)
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_to_bitwise_the_same_weights(uninterrupted, tmp_path):
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -116,12 +116,14 @@ def _empirical(samples: int, sampled: bool, **rule):
     return counts, (p1[:, None] * p2).flatten()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_siblings", "deterministic_siblings"])
 def test_recursive_rejection_sampling_is_lossless(sampled):
     counts, exact = _empirical(4000, sampled)
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
+@pytest.mark.slow
 def test_wrong_residual_fails_the_same_test():
     # resampling from p after a rejection (instead of norm(max(0, p - q))) over-produces the
     # tokens the adversarial draft proposes: the same chi-square test must reject it
@@ -158,6 +160,7 @@ class AdversarialProposer:
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_speculative_generate_sampling_matches_target(tiny_llama):
     model = tiny_llama[0]
     cfg = SamplingConfig(temperature=1.0, top_k=4)

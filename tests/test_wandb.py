@@ -7,6 +7,7 @@ import pytest
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_holds_the_logged_steps(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="pip install -e .[test] installs wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
