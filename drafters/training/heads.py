@@ -17,15 +17,7 @@ Held-out evaluation = calibration: per head, how often its rank-r candidate is t
 token; from these, the draft tree (tree.kind greedy: the tree.budget nodes of highest acceptance
 probability, drafters.training.heads_tree) and its predicted mean accepted length tau_pred.
 
-Writes to output_dir (relative paths in the recipe are relative to the current directory):
-    metrics.jsonl       one row per optimizer step; step_loss / step_acc / step_acc_top5 are per head
-    eval.jsonl          one row per held-out evaluation (per-head top-1 / top-5, tree, tau_pred)
-    checkpoint-{step}/  every save_every steps (resumable), and checkpoint-final/ (drafters.checkpoint
-                        format, family medusa | blockwise); evaluated checkpoints hold the calibrated
-                        tree in drafter.json (extra.tree) and as tree.json (rank paths, usable as
-                        `--tree static:CHECKPOINT/tree.json`)
-Metrics come from the main process's batches; tokens/s counts real (non-pad) tokens of all
-processes. Knows nothing about decoding or export formats.
+What a run writes: train/heads.py.
 """
 
 import json
