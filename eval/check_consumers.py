@@ -88,9 +88,9 @@ def write_verifier(target, path: Path) -> Path:
     return path
 
 
-def save_drafter(target, path: Path) -> Path:
+def save_drafter(target, path: Path, norms: dict | None = None) -> Path:
     size = DRAFT_VOCAB.get(target.name, 4096)
-    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=size)
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=size, **(norms or {}))
     counts = (torch.arange(target.vocab_size) * 7919) % 101  # a non-trivial kept-id set
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config, build_draft_vocab(counts, target.vocab_size, size))
@@ -112,9 +112,10 @@ def features(target, ids: torch.Tensor, layers) -> torch.Tensor:
 
 # ---- vllm export -> speculators --------------------------------------------------------------------
 
-def check_vllm_export(target, work: Path, venv: Path, corrupt=None) -> dict:
-    # corrupt(export_dir): tests plant a fault there before the consumer reads it
-    ckpt = save_drafter(target, work / "ckpt")
+def check_vllm_export(target, work: Path, venv: Path, corrupt=None, norms: dict | None = None) -> dict:
+    # corrupt(export_dir): tests plant a fault there before the consumer reads it; norms: the drafter's norm
+    # options (drafters.eagle3.Eagle3Config), which speculators must apply as we do
+    ckpt = save_drafter(target, work / "ckpt", norms)
     verifier = write_verifier(target, work / "verifier")
     export = export_checkpoint(ckpt, "vllm", work / "vllm", target=target, verifier=str(verifier)).path
     if corrupt is not None:
@@ -143,9 +144,9 @@ def check_vllm_export(target, work: Path, venv: Path, corrupt=None) -> dict:
 def field_differences(read: dict, export: Path, target) -> list[str]:
     """Fields speculators read that differ from what our reader reads from the same files."""
     ours, _, _, _ = read_eagle3_export(export, "vllm", target=target_info(target))
-    mine = {**asdict(ours), "eagle_aux_hidden_state_layer_ids": ours.aux_layers, "norm_before_residual": False,
+    mine = {**asdict(ours), "eagle_aux_hidden_state_layer_ids": ours.aux_layers,  # asdict: the three norm options
             "target_vocab_size": ours.vocab_size, "target_hidden_size": ours.hidden_size, "num_hidden_layers": 1,
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False, "tie_word_embeddings": False}
+            "norm_output": False, "tie_word_embeddings": False}
     return [f"{key}: speculators {read[key]!r}, ours {mine[key]!r}" for key in sorted(read.keys() & mine.keys())
             if read[key] != mine[key]]
 

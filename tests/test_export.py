@@ -347,3 +347,33 @@ def test_a_speculators_saved_drafter_drafts_here(tmp_path, exports, target, embe
     assert torch.equal(outs[0], target.embed_tokens.weight)
     assert torch.equal(outs[2], outs[0] if embedding == "target's" else -outs[0])
     assert torch.equal(outs[1], outs[3]) == (embedding == "target's")
+
+
+@pytest.mark.parametrize("norms", [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_residual": True}],
+                         ids=lambda n: next(iter(n)))
+def test_norm_options_travel_in_the_vllm_layout_and_are_refused_in_sglang(tmp_path, target, norms):
+    """The vllm export writes each norm option and its weights; the independent reader rebuilds the drafter from the
+    files alone and its draft logits equal the source's (check_export), the decoder's loader reads it back with the
+    option on; sglang, written without norm options, refuses the drafter."""
+    from drafters.decode.proposers.loading import load_proposer
+    from drafters.decode.tree import parse_tree_spec
+
+    config = Eagle3Config.from_target_config(target.config, 32, **norms)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)  # not at init: a norm dropped on the way would change the logits
+    ckpt = save_checkpoint(tmp_path / "ckpt", family="eagle3", config=asdict(config), target=target_info(target),
+                           state_dict=drafter.state_dict())
+    result = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", target=target)
+    written = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert {k: written[k] for k in ("norm_before_fc", "fc_norm", "norm_before_residual")} == \
+        {k: norms.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_before_residual")}
+    assert result.check.max_logit_diff <= 1e-5
+    proposer = load_proposer(str(tmp_path / "vllm"), target, parse_tree_spec("chain:2"))
+    assert all(getattr(proposer.drafter.config, k) == v for k, v in norms.items())
+    with pytest.raises(ExportError, match="the sglang layout is written without norm options; export it with "
+                                          "--format vllm"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "sglang", target=target)

@@ -148,7 +148,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_norm_options_train_save_reload_and_are_not_exported_as_off(eagle, tmp_path):
+def test_norm_options_train_save_reload_and_export_where_an_engine_reads_them(eagle, tmp_path):
     from drafters.export.common import ExportError
     from drafters.export.dispatch import export_checkpoint
     from drafters.checkpoint import load_checkpoint
@@ -160,7 +160,10 @@ def test_norm_options_train_save_reload_and_are_not_exported_as_off(eagle, tmp_p
     drafter = load_drafter(load_checkpoint(out / "checkpoint-final"))
     assert drafter.config.norm_before_fc and drafter.config.norm_before_residual and not drafter.config.fc_norm
     assert drafter.input_norm.weight.shape == (3 * drafter.config.hidden_size,)
-    with pytest.raises(ExportError, match="trained with norm_before_fc, norm_before_residual.*--format native"):
-        export_checkpoint(out / "checkpoint-final", "vllm", tmp_path / "vllm")
+    with pytest.raises(ExportError, match="trained with norm_before_fc, norm_before_residual: the sglang layout"):
+        export_checkpoint(out / "checkpoint-final", "sglang", tmp_path / "sglang")
+    config = json.loads((export_checkpoint(out / "checkpoint-final", "vllm", tmp_path / "vllm").path
+                         / "config.json").read_text())
+    assert config["norm_before_fc"] and config["norm_before_residual"] and not config["fc_norm"]
     with pytest.raises(RecipeError, match="norm_before_fc and fc_norm are both set"):
         eagle.main([RECIPE, "norm_before_fc=true", "fc_norm=true", f"output_dir={tmp_path / 'x'}"])

@@ -206,13 +206,16 @@ def _layer_geometry(config: dict, where: str, notes: list[str]) -> dict:
     return geometry
 
 
-# EAGLE-3.1 options (speculators' training defaults norm_before_fc and norm_output): engines read
-# them, default False; this project's drafter has none of them, so it must not draft with them.
+# Norm options engines read, default False (speculators' trainer defaults norm_before_fc and norm_output to True).
+# The vllm layout may carry the three this drafter has (NORM_OPTIONS, docs/conventions.md); the others it has not,
+# and the sglang layout is read with none of them: a checkpoint that sets them must not draft here.
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")
 UNSUPPORTED_OPTIONS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output")
+VLLM_UNSUPPORTED = ("use_aux_norm", "norm_output")
 
 
-def _refuse_options(config: dict, where: str) -> None:
-    on = [key for key in UNSUPPORTED_OPTIONS if config.get(key, False) is not False]
+def _refuse_options(config: dict, where: str, options=UNSUPPORTED_OPTIONS) -> None:
+    on = [key for key in options if config.get(key, False) is not False]
     if on:
         raise ExportCheckError(f"{where}: {', '.join(f'{k} = {config[k]!r}' for k in on)}: this "
                                "project's EAGLE-3 drafter has no such norm (EAGLE-3.1 options); "
@@ -250,7 +253,7 @@ def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] |
         raise ExportCheckError(f"{where}: architectures {config['architectures']}, want "
                                "['Eagle3Speculator'] or ['Eagle3DraftModel']")
     get_field(config, "speculators_model_type", str, where, equals="eagle3")
-    _refuse_options(config, where)
+    _refuse_options(config, where, VLLM_UNSUPPORTED)
     get_field(config, "speculators_version", str, where)
     layer = get_field(config, "transformer_layer_config", dict, where)
     geometry = _layer_geometry(layer, f"{where} transformer_layer_config", notes)
@@ -261,9 +264,15 @@ def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] |
         raise ExportCheckError(f"{where}: dtype {top_dtype!r} at the top level but "
                                f"{geometry['torch_dtype']!r} in transformer_layer_config")
     geometry["draft_vocab_size"] = get_field(config, "draft_vocab_size", int, where)
-    # vLLM defaults a missing norm_before_residual to True; this drafter's residual is the
-    # un-normed hidden input, i.e. False
-    get_field(config, "norm_before_residual", bool, where, equals=False)
+    # vLLM defaults a missing norm_before_residual to True (and the other two to False): ours are always written
+    get_field(config, "norm_before_residual", bool, where)
+    for option in NORM_OPTIONS:
+        geometry[option] = bool(config.get(option, False)) if option != "norm_before_residual" else \
+            config["norm_before_residual"]
+        if option in config:
+            get_field(config, option, bool, where)
+    if geometry["norm_before_fc"] and geometry["fc_norm"]:
+        raise ExportCheckError(f"{where}: norm_before_fc and fc_norm are both true; an EAGLE-3 drafter has one")
     if config.get("target_hidden_size", 0) is not None:  # speculators writes null: = hidden_size
         get_field(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
     _check_speculators_config(get_field(config, "speculators_config", dict, where),
@@ -306,7 +315,10 @@ def expected_shapes(g: dict, num_aux: int, layer: str) -> dict[str, tuple[int, .
     h, d = g["hidden_size"], g["head_dim"]
     heads, kv = g["num_attention_heads"], g["num_key_value_heads"]
     inter, vocab, draft = g["intermediate_size"], g["vocab_size"], g["draft_vocab_size"]
-    return {
+    norms = {"input_norm.weight": (num_aux * h,)} if g.get("norm_before_fc") else {}  # one norm over n*h
+    if g.get("fc_norm"):  # one per aux layer
+        norms = {f"fc_norm.{i}.weight": (h,) for i in range(num_aux)}
+    return {**norms,
         "fc.weight": (h, num_aux * h),  # fused target features (n*h) -> h
         f"{layer}self_attn.q_proj.weight": (heads * d, 2 * h),  # reads cat(embed, hidden)
         f"{layer}self_attn.k_proj.weight": (kv * d, 2 * h),

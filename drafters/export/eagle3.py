@@ -89,10 +89,9 @@ def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
         problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, "
                         "high), the order fc was trained on")
     norms = [name for name in ("norm_before_fc", "fc_norm", "norm_before_residual") if getattr(c, name)]
-    if fmt != "native" and norms:
-        problems.append(f"the drafter was trained with {', '.join(norms)}: exports write these norms as off, so "
-                        "an engine would draft without them; export it with --format native (engine layouts for "
-                        "the norm options are not written yet)")
+    if fmt == "sglang" and norms:
+        problems.append(f"the drafter was trained with {', '.join(norms)}: the sglang layout is written without "
+                        "norm options; export it with --format vllm (which carries them) or native")
     if fmt != "native" and len(c.aux_layers) != ENGINE_AUX_LAYERS:
         problems.append(f"{len(c.aux_layers)} aux layers: SGLang and vLLM build fc for exactly "
                         f"{ENGINE_AUX_LAYERS}")
@@ -191,9 +190,10 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": llama_layer_fields(c, dtype),
         "draft_vocab_size": c.draft_vocab_size,
-        "norm_before_residual": False,  # residual on the un-normed h; vLLM defaults to True
-        # EAGLE-3.1 norms this drafter has none of (speculators' trainer defaults two to True)
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        # always written: vLLM defaults a missing norm_before_residual to True; speculators' trainer defaults
+        # norm_before_fc and norm_output to True (norm_output: the normed hidden fed back, which this drafter never does)
+        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc, "fc_norm": c.fc_norm,
+        "norm_output": False,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # vLLM: HF index as is
         "speculators_config": {

@@ -70,6 +70,9 @@ def refusals(family: str, config: dict, target) -> list[str]:
     if act != "silu":
         problems.append(f"hidden_act {act!r}: llama.cpp's {family} graph always applies SiLU in the MLP, so it "
                         "would draft with another function than the one trained")
+    if config.get("fc_norm"):  # EAGLE-3.1's per-layer norms: no tensor mapping in its converter
+        problems.append("fc_norm (EAGLE-3.1's norm per aux layer): llama.cpp's converter has no mapping for its "
+                        "fc_norm.* tensors; train with norm_before_fc instead (which llama.cpp runs), or serve with vLLM")
     if family == "dflash" and config.get("draft_vocab_size") != config.get("vocab_size"):
         problems.append(f"a reduced DFlash draft vocabulary ({config.get('draft_vocab_size')} of "
                         f"{config.get('vocab_size')}): llama.cpp's DFlash converter has no draft-to-target id "
