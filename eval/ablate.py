@@ -11,7 +11,8 @@ stream the same stored features, so they see the same training conversations and
     budget        training conversations per run: max_steps = budget / (batch_size x grad_accum), so a
                   setting with smaller batches takes more, smaller steps over the same tokens
     tau_pred@K    held-out 1 + sum_k prod_(j<=k) acc_j over the first K TTT steps (drafters.training.eagle3
-                  evaluate_eagle3, at eval_ttt_steps=7 whatever the setting trains at); acc_1 = first draft
+                  evaluate_eagle3, at eval_ttt_steps=7 whatever the setting trains at); acc_1 = first draft.
+                  DFlash rows: its own per-block tau_pred (1 + mean leading correct slots, blocks of 3 drafts) under @3
     mt-bench      with --mt-bench N: tau of a greedy chain of --chain drafts on the first N MT-bench
                   questions (turn 1, 128 new tokens) in this project's decoder (eval/tau.py)
     cpu_s         the training run's wall time x threads (start-up and the final evaluation included)
@@ -57,6 +58,10 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones)
     "fc-norm": ("(e) EAGLE-3.1 fc_norm (an RMSNorm per aux layer; vLLM / speculators only), lr 1e-3",
                 [*FAST, "fc_norm=true"]),
     "norm-res": ("(e) norm_before_residual (llama.cpp runs it), lr 1e-3", [*FAST, "norm_before_residual=true"]),
+    # (g) DFlash from the same store: blocks of 4 = 3 drafts a pass, what a chain of 3 serves; its full vocabulary
+    # is what llama.cpp's DFlash converter needs (no d2t mapping there)
+    "dflash-b4": ("(g) DFlash, block 4 (3 drafts a pass), full vocab, lr 1e-3", [*FAST, "dflash.block_size=4"],
+                  "recipes/dflash_smollm2.yaml"),
 }
 
 
@@ -69,12 +74,14 @@ def recipe_value(recipe: str, overrides: list[str], key: str):
 
 def train_command(name: str, args) -> tuple[list[str], int]:
     overrides = SETTINGS[name][1]
-    per_step = recipe_value(args.recipe, overrides, "batch_size") * recipe_value(args.recipe, overrides, "grad_accum")
+    recipe = SETTINGS[name][2] if len(SETTINGS[name]) > 2 else args.recipe  # a setting of another family
+    per_step = recipe_value(recipe, overrides, "batch_size") * recipe_value(recipe, overrides, "grad_accum")
     steps = max(1, args.budget // per_step)
-    common = [f"features.dir={args.features}", f"threads={args.threads}", "eval_ttt_steps=7", "epochs=null",
+    depth = ["eval_ttt_steps=7"] if recipe_value(recipe, overrides, "drafter") == "eagle3" else []
+    common = [f"features.dir={args.features}", f"threads={args.threads}", *depth, "epochs=null",
               f"max_steps={steps}", "save_every=0", "eval_every=0", "log_every=5", "overwrite_output_dir=true",
               f"output_dir={args.out}/{name}"]
-    return ["python", "train/eagle.py", args.recipe, *common, *overrides], steps
+    return ["python", "train/eagle.py", recipe, *common, *overrides], steps
 
 
 def mt_bench_command(name: str, args) -> list[str]:
@@ -108,6 +115,8 @@ def measure(name: str, args) -> dict:
              "cpu_s": round(wall * args.threads, 1), "tokens_per_s": rows[-1]["tokens_per_s"],
              "acc_1": acc[0], "tau_pred@3": chain_tau(acc[:3]), "tau_pred@7": chain_tau(acc[:7]),
              "held_out_tokens": final["supervised"], "step_acc": acc}
+    if len(acc) < 7:  # DFlash: acc_k per block slot, not conditional; its own tau_pred counts leading correct
+        entry.update({"tau_pred@3": final["tau_pred"], "tau_pred@7": None})  # slots per block (3 drafts a pass)
     if args.mt_bench:
         bench = mt_bench_command(name, args)
         run(bench, out.parent / f"{name}-mt_bench.log", args.threads)
@@ -123,7 +132,8 @@ def table(entries: list[dict], chain: int) -> str:
     for e in entries:
         bench = f"{e[key]:.3f}" if key in e else "not run"
         lines.append(f"| {e['setting']} | {e['what']} | {e['steps']} | {e['train_tokens']} | {e['cpu_s']:.0f} | "
-                     f"{e['tokens_per_s']:.0f} | {e['acc_1']:.3f} | {e['tau_pred@3']:.3f} | {e['tau_pred@7']:.3f} | "
+                     f"{e['tokens_per_s']:.0f} | {e['acc_1']:.3f} | {e['tau_pred@3']:.3f} | "
+                     f"{'n/a' if e['tau_pred@7'] is None else format(e['tau_pred@7'], '.3f')} | "
                      f"{bench} |")
     lines.append("")
     lines += [f"- {e['setting']}: `{e['command']}`" for e in entries]
@@ -160,7 +170,7 @@ def main(argv=None) -> list[dict]:
         results[name] = measure(name, args)
         write_text_atomic(results_path, json.dumps(results, indent=1) + "\n")
         e = results[name]
-        print(f"{name:12s} tau_pred@3 {e['tau_pred@3']:.3f} @7 {e['tau_pred@7']:.3f} acc_1 {e['acc_1']:.3f} "
+        print(f"{name:12s} tau_pred@3 {e['tau_pred@3']:.3f} @7 {e['tau_pred@7']} acc_1 {e['acc_1']:.3f} "
               f"({e['train_tokens']} tokens, {e['cpu_s']:.0f} CPU s)", flush=True)
     write_text_atomic(ROOT / args.out / "results.md", table(list(results.values()), args.chain))
     return list(results.values())
