@@ -41,7 +41,26 @@ from drafters.targets import cache_root, source_gguf
 from drafters.export.common import ExportError, ExportResult, check_out_dir, exported_files, load_source, write_staged
 
 MANIFEST = "llama-cpp.json"
-SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
+
+
+@dataclass(frozen=True)
+class LlamaCppFamily:
+    """How llama.cpp serves one drafter family: the export layout its converter reads, its --spec-type, the
+    default draft length, and whether the converter maps a reduced draft vocabulary back to target ids."""
+    intermediate: str  # the drafters.export format handed to convert_hf_to_gguf.py
+    spec_type: str
+    draft_n_max: object  # config dict -> --spec-draft-n-max
+    maps_draft_vocab: bool
+
+
+# The llama.cpp layer's family table (the families it serves). DFlash decodes n_max + 1 slots (the pending token
+# and n_max masks): one block is n_max = B - 1; EAGLE-3: llama.cpp's default chain length, 3.
+LLAMA_CPP_FAMILIES = {
+    "eagle3": LlamaCppFamily("vllm", "draft-eagle3", lambda config: 3, maps_draft_vocab=True),
+    "dflash": LlamaCppFamily("sglang", "draft-dflash", lambda config: int(config["block_size"]) - 1,
+                             maps_draft_vocab=False),
+}
+SPEC_TYPES = {name: family.spec_type for name, family in LLAMA_CPP_FAMILIES.items()}
 
 
 @dataclass
@@ -73,8 +92,8 @@ def refusals(family: str, config: dict, target) -> list[str]:
     if config.get("fc_norm"):  # EAGLE-3.1's per-layer norms: no tensor mapping in its converter
         problems.append("fc_norm (EAGLE-3.1's norm per aux layer): llama.cpp's converter has no mapping for its "
                         "fc_norm.* tensors; train with norm_before_fc instead (which llama.cpp runs), or serve with vLLM")
-    if family == "dflash" and config.get("draft_vocab_size") != config.get("vocab_size"):
-        problems.append(f"a reduced DFlash draft vocabulary ({config.get('draft_vocab_size')} of "
+    if not LLAMA_CPP_FAMILIES[family].maps_draft_vocab and config.get("draft_vocab_size") != config.get("vocab_size"):
+        problems.append(f"a reduced {family} draft vocabulary ({config.get('draft_vocab_size')} of "
                         f"{config.get('vocab_size')}): llama.cpp's DFlash converter has no draft-to-target id "
                         "mapping; train with draft_vocab_size equal to the target's vocabulary")
     return problems
@@ -105,7 +124,7 @@ def export_llama_cpp(ckpt_dir, out_dir, *, target, export_checkpoint, dtype: str
     problems = refusals(ckpt.family, ckpt.config, target)
     if problems:
         raise ExportError(f"refusing to export {ckpt_dir} for llama.cpp:\n  - " + "\n  - ".join(problems))
-    intermediate = "vllm" if ckpt.family == "eagle3" else "sglang"
+    intermediate = LLAMA_CPP_FAMILIES[ckpt.family].intermediate
     name = f"drafter-{outtype}.gguf"
 
     def write(payload: Path) -> GGUFCheck:
@@ -141,9 +160,7 @@ def _shipped(name: str) -> str | None:
 
 
 def draft_n_max(family: str, config: dict) -> int:
-    # DFlash decodes n_max + 1 slots (the pending token and n_max masks): one block is n_max = B - 1.
-    # EAGLE-3: llama.cpp's default chain length.
-    return int(config["block_size"]) - 1 if family == "dflash" else 3
+    return LLAMA_CPP_FAMILIES[family].draft_n_max(config)
 
 
 def save_target_config(target, directory: Path) -> Path:

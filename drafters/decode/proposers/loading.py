@@ -184,10 +184,10 @@ def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int]
         if checkpoint.family not in FAMILY_LOADERS:
             raise ValueError(f"drafter checkpoint {path}: no proposer for family {checkpoint.family!r} yet; "
                              f"known families: {', '.join(sorted(FAMILY_LOADERS)) or 'none'}")
-        recorded = checkpoint.config.get("aux_layers") if checkpoint.family == "eagle3" else None
+        recorded = checkpoint.config.get("aux_layers")  # the families that read auxiliary layers record them
         if aux_layers is not None and recorded is None:
-            raise ValueError(f"aux_layers={aux_layers} for {path}: only EAGLE-3 drafters read auxiliary layers, "
-                             f"this is a {checkpoint.family!r} checkpoint")
+            raise ValueError(f"aux_layers={aux_layers} for {path}: this {checkpoint.family!r} checkpoint reads no "
+                             "auxiliary layers (EAGLE-3 and DFlash drafters do)")
         if aux_layers is not None and list(aux_layers) != list(recorded):
             raise ValueError(f"{path / CONFIG_FILE}: records auxiliary layers HF hidden_states {recorded}, but the "
                              f"aux_layers option says {aux_layers}: a drafter drafts only from the layers it was "
