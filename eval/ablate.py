@@ -41,7 +41,8 @@ RECIPE = "recipes/eagle3_smollm2.yaml"
 # SpecForge's EAGLE-3 defaults (TTT 7, draft vocab 32000, lr 1e-4 with its warmup) on this recipe's batches
 SPECFORGE = ["ttt_steps=7", "draft_vocab_size=32000", "optim.lr=1e-4", "optim.warmup_steps=50"]
 FAST = ["optim.lr=1e-3", "optim.warmup_steps=5"]  # the small-budget learning rate (settled by the lr rows)
-SETTINGS = {  # name -> (what it tests, overrides after the common ones)
+COMBO = ["ttt_steps=3", "draft_vocab_coverage=0.95", "norm_before_fc=true", "batch_size=2", "grad_accum=1"]
+SETTINGS = {  # name -> (what it tests, overrides after the common ones[, another recipe])
     "specforge": ("SpecForge defaults: TTT 7, vocab 32000, lr 1e-4, warmup 50", SPECFORGE),
     "vocab16k": ("the recipe's 16k draft vocabulary, else SpecForge's", [*SPECFORGE, "draft_vocab_size=16000"]),
     "lr3e-4": ("(a) lr 3e-4, warmup 5", ["optim.lr=3e-4", "optim.warmup_steps=5"]),
@@ -58,6 +59,12 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones)
     "fc-norm": ("(e) EAGLE-3.1 fc_norm (an RMSNorm per aux layer; vLLM / speculators only), lr 1e-3",
                 [*FAST, "fc_norm=true"]),
     "norm-res": ("(e) norm_before_residual (llama.cpp runs it), lr 1e-3", [*FAST, "norm_before_residual=true"]),
+    # the winners of the rows above together: TTT 3, the 95%-coverage vocabulary, norm_before_fc, batch 2 x 1
+    "combo-lr1e-3": ("TTT 3 + vocab at 95% coverage + norm_before_fc + batch 2 x 1, lr 1e-3",
+                     [*FAST, *COMBO]),
+    "combo-lr3e-3": ("TTT 3 + vocab at 95% coverage + norm_before_fc + batch 2 x 1, lr 3e-3",
+                     ["optim.lr=3e-3", "optim.warmup_steps=5", *COMBO]),
+    "combo-init": ("the combo, lr 1e-3, decoder layer from the target's last", [*FAST, *COMBO, "init_layer=-1"]),
     # (g) DFlash from the same store: blocks of 4 = 3 drafts a pass, what a chain of 3 serves; its full vocabulary
     # is what llama.cpp's DFlash converter needs (no d2t mapping there)
     "dflash-b4": ("(g) DFlash, block 4 (3 drafts a pass), full vocab, lr 1e-3", [*FAST, "dflash.block_size=4"],
