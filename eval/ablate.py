@@ -65,6 +65,9 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
     "combo-lr3e-3": ("TTT 3 + vocab at 95% coverage + norm_before_fc + batch 2 x 1, lr 3e-3",
                      ["optim.lr=3e-3", "optim.warmup_steps=5", *COMBO]),
     "combo-init": ("the combo, lr 1e-3, decoder layer from the target's last", [*FAST, *COMBO, "init_layer=-1"]),
+    # (f) epochs against distinct tokens: the combo, lr 1e-3, on half the budget's rows, seen twice
+    "combo-2ep": ("(f) the combo, lr 1e-3, 2 epochs over budget / 2 training rows (data.train_rows)",
+                  [*FAST, *COMBO, "data.train_rows={half}"]),
     # (g) DFlash from the same store: blocks of 4 = 3 drafts a pass, what a chain of 3 serves; its full vocabulary
     # is what llama.cpp's DFlash converter needs (no d2t mapping there)
     "dflash-b4": ("(g) DFlash, block 4 (3 drafts a pass), full vocab, lr 1e-3", [*FAST, "dflash.block_size=4"],
@@ -88,6 +91,7 @@ def train_command(name: str, args) -> tuple[list[str], int]:
     common = [f"features.dir={args.features}", f"threads={args.threads}", *depth, "epochs=null",
               f"max_steps={steps}", "save_every=0", "eval_every=0", "log_every=5", "overwrite_output_dir=true",
               f"output_dir={args.out}/{name}"]
+    overrides = [o.format(half=args.budget // 2) for o in overrides]
     return ["python", "train/eagle.py", recipe, *common, *overrides], steps
 
 

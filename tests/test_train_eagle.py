@@ -167,3 +167,22 @@ def test_norm_options_train_save_reload_and_export_where_an_engine_reads_them(ea
     assert config["norm_before_fc"] and config["norm_before_residual"] and not config["fc_norm"]
     with pytest.raises(RecipeError, match="norm_before_fc and fc_norm are both set"):
         eagle.main([RECIPE, "norm_before_fc=true", "fc_norm=true", f"output_dir={tmp_path / 'x'}"])
+
+
+def test_train_rows_keeps_a_subset_of_the_split_and_the_same_held_out_rows(eagle, tmp_path):
+    from dataclasses import replace
+
+    from drafters.targets import load_target
+    from drafters.training.batches import load_examples
+    from drafters.training.families import load_recipe
+
+    recipe = load_recipe([RECIPE, f"data.path={DATA}"], "train/eagle.py")
+    target = load_target(recipe.target)
+    train, held_out = load_examples(recipe, target, say=lambda line: None)
+    part_train, part_held_out = load_examples(replace(recipe, data=replace(recipe.data, train_rows=5)), target,
+                                              say=lambda line: None)
+    rows = lambda examples: [e.row for e in examples]  # noqa: E731
+    assert rows(part_held_out) == rows(held_out) and len(part_train) == 5 < len(train)
+    assert set(rows(part_train)) <= set(rows(train))
+    with pytest.raises(RecipeError, match="data.train_rows=0 must be >= 1"):
+        eagle.main([RECIPE, f"data.path={DATA}", "data.train_rows=0", f"output_dir={tmp_path / 'x'}"])

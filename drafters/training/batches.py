@@ -27,7 +27,8 @@ def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Exam
     # limit give the same held-out rows whatever the training seed.
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
     held_out = [examples[i] for i in sorted(order[:num_held_out])]
-    train_rows = [examples[i] for i in sorted(order[num_held_out:])]
+    kept = order[num_held_out:] if data.train_rows is None else order[num_held_out:num_held_out + data.train_rows]
+    train_rows = [examples[i] for i in sorted(kept)]
     say(f"{len(train_rows)} training examples ({sum(map(num_tokens, train_rows))} tokens), "
         f"{len(held_out)} held out")
     return train_rows, held_out

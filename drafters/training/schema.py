@@ -22,11 +22,16 @@ class Data:
     eval_rows: int | None = None  # held-out rows; overrides eval_fraction
     eval_fraction: float = 0.02
     seed: int = 0  # of the train / held-out split
+    # train on N rows of the training split only (drawn by the same permutation; the held-out rows stay the full
+    # data's): fewer distinct tokens, e.g. to compare epochs over them with one pass over more; null = all
+    train_rows: int | None = None
 
     def problems(self) -> list[str]:
         found = []
         if self.max_length < 3:
             found.append(f"data.max_length={self.max_length} must be >= 3 (a label needs 2 tokens of context)")
+        if self.train_rows is not None and self.train_rows < 1:
+            found.append(f"data.train_rows={self.train_rows} must be >= 1 or null (the whole training split)")
         if self.limit is not None and self.limit < 1:
             found.append(f"data.limit={self.limit} must be >= 1 or null (all rows)")
         if not 0 <= self.eval_fraction < 1 or (self.eval_rows is not None and self.eval_rows < 0):
