@@ -111,9 +111,9 @@ def fit(drafter, target, rows, steps, loss_fn):
     return drafter.eval()
 
 
-def train_eagle3(target, rows, steps, draft_vocab=512) -> Eagle3Drafter:
+def train_eagle3(target, rows, steps, draft_vocab=512, **norms) -> Eagle3Drafter:
     vocab = build_draft_vocab(rows, target.vocab_size, draft_vocab)
-    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=draft_vocab)
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=draft_vocab, **norms)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config, vocab)
     drafter.init_from_target(target.lm_head.weight, vocab)
@@ -152,7 +152,11 @@ def trained_drafters(target, root, steps, dflash_steps) -> dict:
 
 @pytest.fixture(scope="module")
 def drafters_for_tiny(tiny, tmp_path_factory):
-    return trained_drafters(tiny, tmp_path_factory.mktemp("tiny-drafters"), 150, 150)
+    root = tmp_path_factory.mktemp("tiny-drafters")
+    drafters = trained_drafters(tiny, root, 150, 150)
+    # the two norm options llama.cpp converts and runs (docs/conventions.md): it must apply them as we do
+    norms = train_eagle3(tiny, continuations(tiny), 150, norm_before_fc=True, norm_before_residual=True)
+    return {**drafters, "eagle3-norms": checkpoint(root / "eagle3-norms", "eagle3", norms, tiny)}
 
 
 def export(ckpt, target, out, dtype="f32"):
@@ -187,12 +191,12 @@ def serve_and_referee(target, target_file, export_dir, ckpt, *, tie=TIE["f32"], 
     return results
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "eagle3-norms"])
 def test_tiny_target_serves_our_drafter_and_agrees(family, tiny, drafters_for_tiny, cache, tmp_path):
     target_file = target_gguf(tiny, "f32", cache_dir=cache)
     result = export(drafters_for_tiny[family], tiny, tmp_path / "gguf")
     facts = gguf_facts(tmp_path / "gguf" / "drafter-f32.gguf")
-    assert facts.architecture == family
+    assert facts.architecture == family.split("-")[0]
     assert list(facts.target_layers) == json.loads((drafters_for_tiny[family] / "drafter.json").read_text())[
         "config"]["aux_layers"]
     assert result.check.fc_max_abs_diff == 0.0
