@@ -22,6 +22,9 @@ from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_l
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
 
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")  # Eagle3Config's optional norms
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int
@@ -129,8 +132,9 @@ def ttt_attention_mask(seq_len: int, step: int, device=None) -> Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-LLAMA_LAYER_WEIGHTS = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")} \
-    | {"input_layernorm.weight", "post_attention_layernorm.weight"}
+LLAMA_LAYER_WEIGHTS = ({f"self_attn.{p}_proj.weight" for p in "qkvo"}
+                       | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+                       | {"input_layernorm.weight", "post_attention_layernorm.weight"})
 
 
 class Eagle3Drafter(nn.Module):

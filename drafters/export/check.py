@@ -265,12 +265,9 @@ def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] |
                                f"{geometry['torch_dtype']!r} in transformer_layer_config")
     geometry["draft_vocab_size"] = get_field(config, "draft_vocab_size", int, where)
     # vLLM defaults a missing norm_before_residual to True (and the other two to False): ours are always written
-    get_field(config, "norm_before_residual", bool, where)
+    get_field(config, "norm_before_residual", bool, where)  # required: its engine default is not ours
     for option in NORM_OPTIONS:
-        geometry[option] = bool(config.get(option, False)) if option != "norm_before_residual" else \
-            config["norm_before_residual"]
-        if option in config:
-            get_field(config, option, bool, where)
+        geometry[option] = get_field(config, option, bool, where) if option in config else False
     if geometry["norm_before_fc"] and geometry["fc_norm"]:
         raise ExportCheckError(f"{where}: norm_before_fc and fc_norm are both true; an EAGLE-3 drafter has one")
     if config.get("target_hidden_size", 0) is not None:  # speculators writes null: = hidden_size

@@ -74,8 +74,8 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
         return export_llama_cpp(ckpt_dir, out_dir, target=target, export_checkpoint=export_checkpoint, dtype=dtype,
                                 overwrite=overwrite)
     if fmt in ("sglang", "vllm") and family in WRITERS:  # the DFlash layouts of both engines
-        return WRITERS[family](ckpt_dir, fmt, out_dir, target=target, dtype=dtype, speculative_tokens=speculative_tokens,
-                             verifier=verifier, overwrite=overwrite)
+        return WRITERS[family](ckpt_dir, fmt, out_dir, target=target, dtype=dtype,
+                               speculative_tokens=speculative_tokens, verifier=verifier, overwrite=overwrite)
     speculative_tokens = 3 if speculative_tokens is None else speculative_tokens
     if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)
         return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from drafters.checkpoint import Checkpoint
 from drafters.draft_vocab import DraftVocab, DraftVocabError
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.eagle3 import NORM_OPTIONS, Eagle3Config, Eagle3Drafter
 from drafters.export.common import CONFIG_FILE, WEIGHTS_FILE, ExportError, export_target
 
 ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
@@ -88,7 +88,7 @@ def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
     if sorted(set(c.aux_layers)) != list(c.aux_layers):
         problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, "
                         "high), the order fc was trained on")
-    norms = [name for name in ("norm_before_fc", "fc_norm", "norm_before_residual") if getattr(c, name)]
+    norms = [name for name in NORM_OPTIONS if getattr(c, name)]
     if fmt == "sglang" and norms:
         problems.append(f"the drafter was trained with {', '.join(norms)}: the sglang layout is written without "
                         "norm options; export it with --format vllm (which carries them) or native")
@@ -191,9 +191,8 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
         "transformer_layer_config": llama_layer_fields(c, dtype),
         "draft_vocab_size": c.draft_vocab_size,
         # always written: vLLM defaults a missing norm_before_residual to True; speculators' trainer defaults
-        # norm_before_fc and norm_output to True (norm_output: the normed hidden fed back, which this drafter never does)
-        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc, "fc_norm": c.fc_norm,
-        "norm_output": False,
+        # norm_before_fc and norm_output to True (norm_output: the normed hidden fed back, never done here)
+        **{option: getattr(c, option) for option in NORM_OPTIONS}, "norm_output": False,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # vLLM: HF index as is
         "speculators_config": {

@@ -15,6 +15,7 @@ from drafters.acceptance import chain_tau
 from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
 from drafters.eagle1 import FrozenHead
 from drafters.eagle3 import (
+    NORM_OPTIONS,
     Eagle3Config,
     Eagle3Drafter,
     fuse_features,
@@ -31,6 +32,11 @@ from drafters.training.loop import RunBase
 from drafters.training.metrics import StepMetrics
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import TrainRecipe
+
+
+# EagleRecipe fields only drafter: eagle3 reads, that a recipe of another family must leave off (ttt_steps and
+# step_weight have non-zero defaults: they are ignored there, not refused)
+EAGLE3_ONLY = ("tv_weight", "init_layer", "eval_ttt_steps", *NORM_OPTIONS)
 
 
 @dataclass(kw_only=True)
@@ -63,8 +69,7 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
     def unread_fields(self) -> frozenset[str]:
-        own = {"eagle3": {"ttt_steps", "step_weight", "tv_weight", "init_layer", "eval_ttt_steps", "norm_before_fc", "fc_norm",
-                           "norm_before_residual"}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
+        own = {"eagle3": {"ttt_steps", "step_weight", *EAGLE3_ONLY}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
         return frozenset(set().union(*own.values()) - own[self.drafter])
 
 
@@ -76,15 +81,12 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
         problems.append(f"step_weight={recipe.step_weight} must be > 0")
     if recipe.tv_weight < 0:
         problems.append(f"tv_weight={recipe.tv_weight} must be >= 0 (0 = the soft cross-entropy alone)")
-    elif recipe.tv_weight and "tv_weight" in recipe.unread_fields():
-        problems.append(f"tv_weight={recipe.tv_weight} is read by drafter: eagle3 only, not {recipe.drafter}; "
-                        "remove it or set it to 0")
     if recipe.eval_ttt_steps is not None and recipe.eval_ttt_steps < 1:
         problems.append(f"eval_ttt_steps={recipe.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
     if recipe.norm_before_fc and recipe.fc_norm:
         problems.append("norm_before_fc and fc_norm are both set: they are two ways to norm the fused features "
                         "before fc; keep one")
-    for name in ("init_layer", "eval_ttt_steps", "norm_before_fc", "fc_norm", "norm_before_residual"):
+    for name in EAGLE3_ONLY:  # set (not null, false or 0) for a family that never reads it
         if getattr(recipe, name) not in (None, False) and name in recipe.unread_fields():
             problems.append(f"{name}={getattr(recipe, name)} is read by drafter: eagle3 only, not {recipe.drafter}; "
                             "remove it")
@@ -112,9 +114,6 @@ def warn_about_layers(recipe: EagleRecipe, say=print) -> None:
 
 
 # ---- set-up ---------------------------------------------------------------------------------------
-
-
-NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")
 
 
 def eagle3_layer_spec(recipe: EagleRecipe, target: Target) -> dict:
