@@ -12,6 +12,14 @@ q8_0 converted from the weights the project trains against. A --drafter is a che
 DIR@N drafts N tokens per round (default: 3 for EAGLE-3, block_size - 1 for DFlash). Prompts are rendered once
 through the target's chat template (turn 1 of each bench item) and sent to every engine as token ids.
 
+Serving settings, each crossed with every drafter: DIR@1,2,3 (draft lengths), --p-min 0,0.5,0.8 (llama.cpp's
+--spec-draft-p-min: a round stops drafting at the first draft below that probability), --export-dtype f32,q8_0
+(the drafter GGUF's type). What a round costs, to choose them: --step-cost adds, per drafter GGUF, a server that
+runs the drafter's first step every round and drafts nothing (ms per drafter step = its ms per token - plain's),
+and --forward-cost times the target's forward over 1..8 new tokens with llama-bench and prints, for each chain
+length, the tau at which it breaks even. --offset K starts at the bench's K-th item, to confirm a choice on
+prompts it was not made on.
+
 Speed runs use llama.cpp's defaults (f16 KV cache), every mode's server up at once, prompts sent A B C A B C,
 --repeats times; the referee runs each drafter again with exact float32 arithmetic (drafters/decode/referee.py)
 and our decoder with a chain of the same length. Needs the project's llama.cpp build: bash .ci/llama-cpp.
@@ -23,12 +31,13 @@ import sys
 from pathlib import Path
 
 from drafters.checkpoint import CheckpointError
-from drafters.decode.benches import load_bench, render_prompt
-from drafters.decode.engine_bench import PLAIN, Mode, format_rows, run_modes, summarize
+from drafters.decode.benches import BenchError, load_bench, render_prompt
+from drafters.decode.engine_bench import (NEVER_DRAFT, PLAIN, Mode, break_even_tau, format_rows, run_modes,
+                                          step_cost_ms, summarize)
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.referee import parting, referee
 from drafters.decode.tree import parse_tree_spec
-from drafters.engines.llama_cpp import LlamaCppError, LlamaServer, check_pair
+from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError, LlamaServer, bench_forward_ms, check_pair
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.llama_cpp import MANIFEST, TARGET_WEIGHTS, target_gguf
@@ -42,15 +51,22 @@ def parse_args(argv):
     p.add_argument("--target", required=True, help="short name, HF directory or .gguf file")
     p.add_argument("--weights", default="shipped", choices=TARGET_WEIGHTS,
                    help="the target's GGUF: shipped (its own file) or converted f32 / f16 / q8_0")
-    p.add_argument("--drafter", action="append", default=[], help="checkpoint or llama.cpp export dir, [@N]")
+    p.add_argument("--drafter", action="append", default=[],
+                   help="checkpoint or llama.cpp export dir, [@N[,N...]]: the draft lengths to run it at")
+    p.add_argument("--p-min", default="0", help="llama.cpp's --spec-draft-p-min values for every drafter, comma-separated")
+    p.add_argument("--step-cost", action="store_true",
+                   help="measure one drafter step per drafter GGUF (a server that drafts nothing)")
+    p.add_argument("--forward-cost", action="store_true",
+                   help="time the target's forward over 1..8 tokens (llama-bench) and print break-even tau per chain")
     p.add_argument("--ngram", default=",".join(NGRAM_TYPES),
                    help=f"llama.cpp's n-gram speculators to run, comma-separated ('' for none): {', '.join(NGRAM_TYPES)}")
     p.add_argument("--bench", default="mt_bench")
     p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--offset", type=int, default=0, help="skip the bench's first K items")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2, help="A B A B rounds over all prompts")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--export-dtype", default="f32", choices=("f32", "f16", "q8_0"), help="drafter GGUF type")
+    p.add_argument("--export-dtype", default="f32", help="drafter GGUF types, comma-separated: f32, f16, q8_0")
     p.add_argument("--exports", default="outputs/llama.cpp", help="where checkpoints are exported for llama.cpp")
     p.add_argument("--no-referee", action="store_true", help="skip the comparison with our decoder")
     p.add_argument("--json", default=None, help="write every number here")
@@ -63,7 +79,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (LlamaCppError, ExportError, CheckpointError, TargetError, ValueError) as err:
+    except (LlamaCppError, BenchError, ExportError, CheckpointError, TargetError, ValueError) as err:
         print(f"eval/llama_cpp.py: {err}", file=sys.stderr)
         return 1
 
@@ -75,10 +91,18 @@ def run(args) -> int:
         print(target_file)
         return 0
     print(f"target: {target.name} as {target_file} ({args.weights})")
-    drafters = [prepare_drafter(spec, target, target_file, args) for spec in args.drafter]
-    modes = [Mode(PLAIN)] + [d["mode"] for d in drafters]
+    dtypes, p_mins = parse_dtypes(args.export_dtype), parse_p_mins(args.p_min)
+    drafters = [d for spec in args.drafter for dtype in dtypes
+                for d in prepare_drafters(spec, target, target_file, args, dtype, p_mins, len(dtypes) > 1)]
+    probes = [Mode(f"{d['label']} step", d["mode"].spec_type, d["mode"].draft, 1, NEVER_DRAFT)
+              for d in drafters if d["first_of_file"]] if args.step_cost else []
+    modes = [Mode(PLAIN)] + [d["mode"] for d in drafters] + probes
     modes += [Mode(t, spec_type=t) for t in filter(None, args.ngram.split(",")) if check_ngram(t)]
-    items = load_bench(args.bench, limit=args.limit)
+    if args.offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    items = load_bench(args.bench)[args.offset:args.offset + args.limit]
+    if not items:
+        raise ValueError(f"--offset {args.offset}: {args.bench} has no items from there")
     prompts = [render_prompt(target.tokenizer, item, []) for item in items]  # turn 1, rendered once
     print(f"{len(prompts)} prompts of {args.bench} (turn 1), {args.max_new_tokens} new tokens, greedy, "
           f"{args.threads} thread(s), {args.repeats} repeats, modes: {', '.join(m.name for m in modes)}")
@@ -90,33 +114,102 @@ def run(args) -> int:
     for row in rows:
         row["parted_from_plain"] = partings.get(row["mode"], [])
     print(f"\nllama.cpp {args.weights}, speed with its defaults (median of {args.repeats} A B runs):")
-    print(format_rows(rows))
+    print(format_rows([r for r in rows if r["mode"] not in {m.name for m in probes}]))
     report = {"target": target.name, "weights": args.weights, "target_gguf": str(target_file), "bench": args.bench,
-              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-              "repeats": args.repeats, "rows": rows, "referee": {}}
+              "offset": args.offset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "threads": args.threads, "repeats": args.repeats, "rows": rows, "referee": {}}
+    if probes:
+        report["step_cost"] = [step_cost_ms(results, m.name) for m in probes]
+        print("\none drafter step in llama.cpp (ms per token of a server that runs it every round and drafts nothing, "
+              "minus plain's; median of the repeats):")
+        for c in report["step_cost"]:
+            runs = ", ".join(f"{x:.2f}" for x in c["step_ms_runs"])
+            print(f"  {c['mode']:<40} {c['step_ms']:6.2f} ms ({runs}); plain {c['plain_ms_per_token']:.2f} ms/token")
+    if args.forward_cost:
+        report["forward_cost"] = forward_cost(target_file, report.get("step_cost", []), rows, args)
     if not args.no_referee:
         for d in drafters:
-            report["referee"][d["mode"].name] = run_referee(d, target, target_file, prompts, args)
+            if d["referee"]:
+                report["referee"][d["mode"].name] = run_referee(d, target, target_file, prompts, args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
-def prepare_drafter(spec: str, target, target_file, args) -> dict:
+def parse_dtypes(text: str) -> list[str]:
+    dtypes = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in dtypes if t not in OUTTYPES]
+    if not dtypes or bad:
+        raise ValueError(f"--export-dtype {text!r}: give one or more of {', '.join(OUTTYPES)}, comma-separated")
+    return dtypes
+
+
+def parse_p_mins(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise ValueError(f"--p-min {text!r}: give one or more probabilities in [0, 1], comma-separated "
+                         "(0 drafts every token up to the draft length)")
+    return values
+
+
+def parse_lengths(spec: str, text: str) -> list[int | None]:
+    if not text:
+        return [None]
+    try:
+        lengths = [int(t) for t in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--drafter {spec!r}: after @ give draft lengths >= 1, comma-separated (DIR@1,2,3)")
+    return lengths
+
+
+def prepare_drafters(spec: str, target, target_file, args, dtype: str, p_mins: list[float], tag_dtype: bool) -> list[dict]:
+    """One mode per (draft length, p_min) of one drafter GGUF, exported from a checkpoint when needed. The referee
+    runs once per draft length, on the p_min 0 mode: our decoder drafts the whole chain."""
     path, _, n = spec.partition("@")
-    path = Path(path)
-    export_dir = path if (path / MANIFEST).is_file() else Path(args.exports) / f"{path.parent.name}-{path.name}-{args.export_dtype}"
+    lengths, path = parse_lengths(spec, n), Path(path)
+    export_dir = path if (path / MANIFEST).is_file() else Path(args.exports) / f"{path.parent.name}-{path.name}-{dtype}"
     if not (export_dir / MANIFEST).is_file():
         print(f"exporting {path} for llama.cpp into {export_dir}")
-        export_checkpoint(path, "llama.cpp", export_dir, target=target, dtype=args.export_dtype)
+        export_checkpoint(path, "llama.cpp", export_dir, target=target, dtype=dtype)
     manifest = json.loads((export_dir / MANIFEST).read_text())
     drafter_file = export_dir / manifest["drafter"]
     check_pair(target_file, drafter_file)
-    n_max = int(n) if n else manifest["draft_n_max"]
-    name = f"{manifest['family']} {path.name}"
+    label = f"{manifest['family']} {path.name}" + (f" {dtype}" if tag_dtype else "")
     checkpoint = path if (path / "drafter.json").is_file() else None
-    return {"mode": Mode(f"{name} x{n_max}", manifest["spec_type"], drafter_file, n_max), "checkpoint": checkpoint}
+    out = []
+    for n_max in (length or manifest["draft_n_max"] for length in lengths):
+        for p_min in p_mins:
+            name = f"{label} x{n_max}" + (f" p{p_min:g}" if p_min else "")
+            out.append({"mode": Mode(name, manifest["spec_type"], drafter_file, n_max, p_min), "label": label,
+                        "checkpoint": checkpoint, "first_of_file": not out,
+                        "referee": p_min == 0 and dtype == args.export_dtype.split(",")[0].strip()})
+    return out
+
+
+def forward_cost(target_file, step_costs: list[dict], rows: list[dict], args) -> dict:
+    """llama-bench's forward times at the bench's typical depth, and the break-even tau of each chain length,
+    with no drafter cost and with each measured step cost; next to each drafter mode's measured tau."""
+    depth = 128
+    forward, decode = bench_forward_ms(target_file, range(1, 9), depth=depth, threads=args.threads)
+    print(f"\nthe target's forward in llama-bench ({args.weights}, {args.threads} thread(s), after {depth} cached "
+          f"tokens): plain decoding {decode:.2f} ms/token; over n new tokens: "
+          + ", ".join(f"{n}: {ms:.1f} ms ({ms / decode:.2f}x)" for n, ms in forward.items()))
+    steps = {"no drafter cost": 0.0} | {c["mode"]: c["step_ms"] for c in step_costs}
+    table = {name: {n: break_even_tau(forward, decode, n, ms) for n in range(1, 8)} for name, ms in steps.items()}
+    print("break-even tau of a chain of n, (forward(n + 1) + n x step) / plain:")
+    print(f"  {'drafter step':<40} " + " ".join(f"{f'n={n}':>6}" for n in range(1, 8)))
+    for name, taus in table.items():
+        print(f"  {name:<40} " + " ".join(f"{t:>6.2f}" for t in taus.values()))
+    for r in rows:
+        if r["n_max"] and r["spec_type"] in {"draft-eagle3", "draft-dflash"} and r["drafted"]:
+            print(f"  measured: {r['mode']:<32} tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x")
+    return {"depth": depth, "decode_ms_per_token": decode, "forward_ms": forward, "break_even_tau": table}
 
 
 def check_ngram(name: str) -> bool:

@@ -15,6 +15,7 @@ from drafters.engines.llama_cpp import Completion, LlamaServer
 
 PLAIN = "plain"
 WARM_UP_TOKENS = 8
+NEVER_DRAFT = 2.0  # a p_min no probability reaches: every round runs the drafter's first step and drafts nothing
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Mode:
     spec_type: str | None = None  # None: plain decoding
     draft: Path | None = None  # a drafter GGUF (draft-eagle3 / draft-dflash)
     n_max: int | None = None  # draft length; None: llama.cpp's default for the type
+    p_min: float = 0.0  # llama.cpp's --spec-draft-p-min (with n_max); NEVER_DRAFT: the drafter's step cost alone
 
 
 @dataclass
@@ -53,7 +55,8 @@ def run_modes(target_file, modes: list[Mode], prompts: list[list[int]], max_new_
     for repeat in range(repeats):
         with ExitStack() as stack:
             servers = {m.name: stack.enter_context(LlamaServer(target_file, draft=m.draft, spec_type=m.spec_type,
-                                                               n_max=m.n_max, threads=threads)) for m in modes}
+                                                               n_max=m.n_max, p_min=m.p_min,
+                                                               threads=threads)) for m in modes}
             for server in servers.values():  # warm-up, untimed: the chat template's opening, one token
                 server.complete(prompts[0][:WARM_UP_TOKENS], 1)
             for result in results.values():
@@ -81,6 +84,29 @@ def summarize(results: dict[str, ModeResult]) -> list[dict]:
                      "speedup": statistics.median(ratios), "speedup_runs": ratios,
                      "same_as_plain": same, "outputs": sum(len(run) for run in result.runs), **result.totals()})
     return rows
+
+
+def step_cost_ms(results: dict[str, ModeResult], probe: str) -> dict:
+    """One drafter step as llama.cpp runs it, from a NEVER_DRAFT mode: each round is then one plain target step
+    plus the drafter's first forward (and the target's output of the features the drafter reads), so
+        step_ms = ms per token(probe) - ms per token(plain)
+    within each repeat (the same prompts, the same minute of the machine); the median over repeats. Needs
+    `plain`; the probe must have drafted nothing."""
+    result, plain = results[probe], results[PLAIN]
+    if result.totals()["drafted"]:
+        raise ValueError(f"{probe}: drafted {result.totals()['drafted']} tokens; a step-cost probe drafts none")
+    per_repeat = [1000 / result.tokens_per_s(r) - 1000 / plain.tokens_per_s(r) for r in range(len(result.runs))]
+    return {"mode": probe, "step_ms": statistics.median(per_repeat), "step_ms_runs": per_repeat,
+            "plain_ms_per_token": statistics.median(1000 / plain.tokens_per_s(r) for r in range(len(plain.runs)))}
+
+
+def break_even_tau(forward_ms: dict[int, float], decode_ms: float, n: int, step_ms: float = 0.0) -> float:
+    """The tau at which a chain of n drafts per round decodes as fast as plain decoding: a round costs one target
+    forward over n + 1 tokens plus n drafter steps (an EAGLE-3 chain of n runs the drafter n times) and emits tau
+    tokens, plain decoding costs decode_ms a token, so
+        tau* = (forward(n + 1) + n * step_ms) / decode_ms.
+    tau* above n + 1 (every draft accepted) means that chain cannot pay on this machine."""
+    return (forward_ms[n + 1] + n * step_ms) / decode_ms
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -142,6 +142,39 @@ def check_pair(target_file, drafter_file) -> tuple[GGUFFacts, GGUFFacts]:
     return target, drafter
 
 
+# ---- llama-bench: what a target forward costs --------------------------------------------------
+
+BENCH_TIMEOUT_S = 600
+
+
+def bench_forward_ms(model, sizes, *, depth: int = 128, threads: int = 1, repetitions: int = 5,
+                     decode_tokens: int = 32) -> tuple[dict[int, float], float]:
+    """llama-bench on a GGUF, one process: ({n: ms of one forward over n new tokens after `depth` cached
+    ones}, ms per token of plain decoding at the same depth). A forward over n tokens is what verifying a
+    draft of n - 1 tokens costs the target; plain decoding is one forward over 1 token per token. Means
+    over `repetitions` (llama-bench's own, after its warm-up run)."""
+    sizes = sorted({int(n) for n in sizes})
+    command = [str(tool("llama-bench")), "-m", str(model), "-p", ",".join(map(str, sizes)), "-n", str(decode_tokens),
+               "-d", str(depth), "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppError(f"llama-bench did not finish on {model} within {BENCH_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise LlamaCppError(f"llama-bench failed on {model} (exit {done.returncode}):\n{tail}")
+    forward, decode = {}, None
+    for test in json.loads(done.stdout):
+        ms = float(test["avg_ns"]) / 1e6
+        if test["n_gen"] == 0:
+            forward[int(test["n_prompt"])] = ms
+        elif test["n_prompt"] == 0:
+            decode = ms / int(test["n_gen"])
+    if decode is None or sorted(forward) != sizes:
+        raise LlamaCppError(f"llama-bench on {model} did not report every test asked for: {done.stdout[:500]}")
+    return forward, decode
+
+
 # ---- llama-server with a lifecycle --------------------------------------------------------------
 
 @dataclass
@@ -170,7 +203,9 @@ class LlamaServer:
     """`with LlamaServer(model, draft=..., spec_type="draft-eagle3", n_max=3) as server:` a llama-server
     on a free loopback port, ready when the block starts and stopped when it ends (its whole process
     group, also on error and Ctrl-C). Requests take and return token ids, so both engines read the
-    same input. `slots` requests are decoded in parallel, batched into one forward per step; `alias` is the
+    same input. With n_max, p_min is llama.cpp's --spec-draft-p-min: a round's drafting stops at the first
+    draft whose probability (the drafter's top-1, renormalised over its top 10) is below it; 0 drafts all
+    n_max, and a value above 1 drafts nothing while the drafter still runs its first step every round. `slots` requests are decoded in parallel, batched into one forward per step; `alias` is the
     model name it serves (/v1/models). spec_type: None (plain), draft-eagle3, draft-dflash, ngram-simple, ngram-mod, ...
 
     exact=True keeps every intermediate in float32 (KV caches of target and drafter in f32, flash
@@ -180,9 +215,10 @@ class LlamaServer:
     """
 
     def __init__(self, model, *, draft=None, spec_type: str | None = None, n_max: int | None = None,
-                 threads: int = 1, ctx: int = 4096, slots: int = 1, alias: str | None = None,
+                 p_min: float = 0.0, threads: int = 1, ctx: int = 4096, slots: int = 1, alias: str | None = None,
                  exact: bool = False, extra: tuple = (), ready_timeout: float = 180):
         self.model, self.draft, self.spec_type, self.n_max = Path(model), draft, spec_type, n_max
+        self.p_min = p_min
         self.exact, self.slots, self.alias = exact, slots, alias
         self.threads, self.ctx, self.extra, self.ready_timeout = threads, ctx, tuple(extra), ready_timeout
         self.process, self.port, self.log = None, None, None
@@ -203,7 +239,7 @@ class LlamaServer:
             if self.draft is not None:
                 command += ["-ctkd", "f32", "-ctvd", "f32"]
         if self.n_max is not None:
-            command += ["--spec-draft-n-max", str(self.n_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+            command += ["--spec-draft-n-max", str(self.n_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(self.p_min)]
         return command + list(self.extra)
 
     def __enter__(self) -> "LlamaServer":
