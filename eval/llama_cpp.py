@@ -84,22 +84,34 @@ def main(argv=None) -> int:
         return 1
 
 
+def check_args(args) -> tuple[list[str], list[float], list[str]]:
+    """Every option checked before a target loads or a server starts: (drafter GGUF types, p_min values,
+    n-gram modes)."""
+    dtypes, p_mins = parse_dtypes(args.export_dtype), parse_p_mins(args.p_min)
+    for spec in args.drafter:
+        parse_lengths(spec, spec.partition("@")[2])
+    ngrams = [t for t in filter(None, args.ngram.split(",")) if check_ngram(t)]
+    if args.offset < 0 or args.limit < 1:
+        raise ValueError(f"--offset {args.offset} --limit {args.limit}: the offset must be >= 0 and the limit >= 1")
+    if args.step_cost and not args.drafter:
+        raise ValueError("--step-cost measures a drafter's step: give at least one --drafter")
+    return dtypes, p_mins, ngrams
+
+
 def run(args) -> int:
+    dtypes, p_mins, ngrams = check_args(args)
     target = load_target(args.target)
     target_file = target_gguf(target, args.weights)
     if args.print_target_gguf:
         print(target_file)
         return 0
     print(f"target: {target.name} as {target_file} ({args.weights})")
-    dtypes, p_mins = parse_dtypes(args.export_dtype), parse_p_mins(args.p_min)
     drafters = [d for spec in args.drafter for dtype in dtypes
                 for d in prepare_drafters(spec, target, target_file, args, dtype, p_mins, len(dtypes) > 1)]
     probes = [Mode(f"{d['label']} step", d["mode"].spec_type, d["mode"].draft, 1, NEVER_DRAFT)
               for d in drafters if d["first_of_file"]] if args.step_cost else []
     modes = [Mode(PLAIN)] + [d["mode"] for d in drafters] + probes
-    modes += [Mode(t, spec_type=t) for t in filter(None, args.ngram.split(",")) if check_ngram(t)]
-    if args.offset < 0:
-        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    modes += [Mode(t, spec_type=t) for t in ngrams]
     items = load_bench(args.bench)[args.offset:args.offset + args.limit]
     if not items:
         raise ValueError(f"--offset {args.offset}: {args.bench} has no items from there")

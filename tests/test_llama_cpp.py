@@ -288,12 +288,13 @@ def test_smollm2_serves_our_drafter(family, smollm2, drafters_for_smollm2, cache
 
 
 def test_engine_bench_alternates_modes_and_counts_what_llama_cpp_counts(tiny, drafters_for_tiny, cache, tmp_path):
-    from drafters.decode.engine_bench import PLAIN, Mode, run_modes, summarize
+    from drafters.decode.engine_bench import NEVER_DRAFT, PLAIN, Mode, run_modes, step_cost_ms, summarize
 
     target_file = target_gguf(tiny, "f32", cache_dir=cache)
     export(drafters_for_tiny["eagle3"], tiny, tmp_path / "gguf")
-    modes = [Mode(PLAIN), Mode("eagle3", "draft-eagle3", tmp_path / "gguf" / "drafter-f32.gguf", 3),
-             Mode("ngram-mod", "ngram-mod")]
+    drafter = tmp_path / "gguf" / "drafter-f32.gguf"
+    modes = [Mode(PLAIN), Mode("eagle3", "draft-eagle3", drafter, 3), Mode("ngram-mod", "ngram-mod"),
+             Mode("eagle3 p0.9", "draft-eagle3", drafter, 3, 0.9), Mode("step", "draft-eagle3", drafter, 1, NEVER_DRAFT)]
     results = run_modes(target_file, modes, prompts(tiny)[:2], 12, repeats=2, progress=lambda _: None)
     for m in modes:  # fresh servers per repeat: no mode remembers the first repeat's texts in the second
         counts = [[(c.tokens, c.draft_n, c.draft_accepted) for c in run] for run in results[m.name].runs]
@@ -304,6 +305,19 @@ def test_engine_bench_alternates_modes_and_counts_what_llama_cpp_counts(tiny, dr
     eagle = rows["eagle3"]
     assert 0 < eagle["accepted"] <= eagle["drafted"] and eagle["tau"] > 1.0
     assert eagle["tokens"] == rows[PLAIN]["tokens"] == 2 * 2 * 12  # no EOS in a random target's 12 tokens
+    # p_min reaches llama.cpp: a round stops drafting at the first unsure draft, so fewer are drafted, and a p_min
+    # above every probability drafts nothing while the text stays plain decoding's
+    assert rows["eagle3 p0.9"]["drafted"] < eagle["drafted"]
+    assert rows["step"]["drafted"] == 0 and rows["step"]["same_as_plain"] == rows["step"]["outputs"] == 4
+    assert step_cost_ms(results, "step")["plain_ms_per_token"] > 0
+
+
+def test_llama_bench_times_the_forwards_asked_for(tiny, cache, tmp_path):
+    forward, decode = llama_cpp.bench_forward_ms(target_gguf(tiny, "f32", cache_dir=cache), [4, 1, 2], depth=16,
+                                                 repetitions=1, decode_tokens=4)
+    assert sorted(forward) == [1, 2, 4] and decode > 0 and all(ms > 0 for ms in forward.values())
+    with pytest.raises(LlamaCppError, match="no such GGUF file"):
+        llama_cpp.bench_forward_ms(tmp_path / "missing.gguf", [1], repetitions=1)
 
 
 def test_the_script_names_the_build_command_when_there_is_none(tmp_path, monkeypatch, capsys):

@@ -153,6 +153,8 @@ def bench_forward_ms(model, sizes, *, depth: int = 128, threads: int = 1, repeti
     ones}, ms per token of plain decoding at the same depth). A forward over n tokens is what verifying a
     draft of n - 1 tokens costs the target; plain decoding is one forward over 1 token per token. Means
     over `repetitions` (llama-bench's own, after its warm-up run)."""
+    if not Path(model).is_file():
+        raise LlamaCppError(f"{model}: no such GGUF file")
     sizes = sorted({int(n) for n in sizes})
     command = [str(tool("llama-bench")), "-m", str(model), "-p", ",".join(map(str, sizes)), "-n", str(decode_tokens),
                "-d", str(depth), "-t", str(threads), "-r", str(repetitions), "-o", "json"]
