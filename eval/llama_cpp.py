@@ -90,6 +90,10 @@ def check_args(args) -> tuple[list[str], list[float], list[str]]:
     dtypes, p_mins = parse_dtypes(args.export_dtype), parse_p_mins(args.p_min)
     for spec in args.drafter:
         parse_lengths(spec, spec.partition("@")[2])
+    paths = [str(Path(spec.partition("@")[0]).resolve()) for spec in args.drafter]
+    if len(set(paths)) < len(paths):
+        raise ValueError("a --drafter is given twice: give each once, with all its draft lengths after one @ "
+                         "(DIR@1,2,3)")
     ngrams = [t for t in filter(None, args.ngram.split(",")) if check_ngram(t)]
     if args.offset < 0 or args.limit < 1:
         raise ValueError(f"--offset {args.offset} --limit {args.limit}: the offset must be >= 0 and the limit >= 1")
@@ -112,6 +116,11 @@ def run(args) -> int:
               for d in drafters if d["first_of_file"]] if args.step_cost else []
     modes = [Mode(PLAIN)] + [d["mode"] for d in drafters] + probes
     modes += [Mode(t, spec_type=t) for t in ngrams]
+    names = [m.name for m in modes]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"modes named twice: {', '.join(twice)}; give each --drafter once, with all its lengths "
+                         "after one @ (DIR@1,2,3)")
     items = load_bench(args.bench)[args.offset:args.offset + args.limit]
     if not items:
         raise ValueError(f"--offset {args.offset}: {args.bench} has no items from there")
@@ -192,8 +201,9 @@ def prepare_drafters(spec: str, target, target_file, args, dtype: str, p_mins: l
     manifest = json.loads((export_dir / MANIFEST).read_text())
     drafter_file = export_dir / manifest["drafter"]
     check_pair(target_file, drafter_file)
-    label = f"{manifest['family']} {path.name}" + (f" {dtype}" if tag_dtype else "")
     checkpoint = path if (path / "drafter.json").is_file() else None
+    shown = f"{path.parent.name}/{path.name}" if checkpoint else path.name  # runs name their checkpoints alike
+    label = f"{manifest['family']} {shown}" + (f" {dtype}" if tag_dtype else "")
     out = []
     for n_max in (length or manifest["draft_n_max"] for length in lengths):
         for p_min in p_mins:

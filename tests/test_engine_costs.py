@@ -52,6 +52,7 @@ def test_break_even_tau():
     (["--offset", "-1"], "the offset must be >= 0"),
     (["--limit", "0"], "the limit >= 1"),
     (["--step-cost"], "give at least one --drafter"),
+    (["--drafter", "some/dir@1", "--drafter", "some/dir/@3"], "a --drafter is given twice"),
     (["--ngram", "ngram-nope"], "--ngram 'ngram-nope': choose from"),
 ])
 def test_bad_serving_options_get_one_sentence_before_anything_loads(argv, message, capsys, monkeypatch):
