@@ -40,6 +40,18 @@ class BlockwiseConfig:
         return BlockwiseConfig(hidden_size=text.hidden_size, vocab_size=text.vocab_size, **options)
 
 
+class RowsLinear(nn.Linear):
+    """nn.Linear that can compute only some of its output rows: forward(x, rows) = x W[rows]^T + b[rows]. The
+    selection happens inside the module's call, so engines that shard parameters (ZeRO-3, FSDP), which gather a
+    module's weights only around its own forward and backward, see it used; reading `.weight` from outside would
+    get an empty shard there. Same parameters as nn.Linear."""
+
+    def forward(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        if rows is None:
+            return super().forward(x)
+        return F.linear(x, self.weight[rows], self.bias[rows])
+
+
 class BlockwiseHeads(nn.Module):
     def __init__(self, config: BlockwiseConfig):
         super().__init__()
@@ -49,7 +61,7 @@ class BlockwiseHeads(nn.Module):
         self.config = config
         d, k, f = config.hidden_size, config.num_heads, config.hidden_per_head
         self.up = nn.Linear(d, k * f)
-        self.down = nn.Linear(k * f, k * d)
+        self.down = RowsLinear(k * f, k * d)
         nn.init.zeros_(self.down.weight)
         nn.init.zeros_(self.down.bias)
 
@@ -61,7 +73,7 @@ class BlockwiseHeads(nn.Module):
             y = self.down(z)  # (..., K*d)
         else:
             rows = torch.cat([torch.arange(k * d, (k + 1) * d) for k in heads]).to(x.device)  # (S*d,)
-            y = F.linear(z, self.down.weight[rows], self.down.bias[rows])  # (..., S*d)
+            y = self.down(z, rows)  # (..., S*d)
         return x.unsqueeze(-2) + y.unflatten(-1, (len(heads), d))
 
     def project(self, h: Tensor, k: int, lm_head: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from drafters.draft_vocab import DraftVocab
 from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
+from drafters.losses import FusedLinearHead
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
 
@@ -151,7 +152,7 @@ class Eagle3Drafter(nn.Module):
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps) for _ in c.aux_layers)
         self.midlayer = Eagle3DecoderLayer(c)
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = FusedLinearHead(c.hidden_size, c.draft_vocab_size)  # (Vd, h); also the fused loss
         self.rotary_emb = LlamaRotaryEmbedding(llama_config(c))  # buffers not saved
         # Without a vocab the buffers hold the lowest draft_vocab_size ids until set_draft_vocab()
         # or load_state_dict() fills them.

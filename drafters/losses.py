@@ -6,7 +6,7 @@ Metrics stay tensors (no host sync); call `.item()` at log steps only.
 """
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from drafters.draft_vocab import draft_rank, kept_target_ids
 
@@ -145,3 +145,21 @@ def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argma
     loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight)
     accuracy = (argmax == argmax_draft).sum() / count.clamp(min=1)
     return loss, accuracy, count
+
+
+class FusedLinearHead(nn.Linear):
+    """A bias-free LM head, nn.Linear when called with x alone; called with the targets it returns
+    `linear_soft_cross_entropy(x, self.weight, ...)` instead of logits. The fused loss reaches the weight through
+    this module's call, never by reading `.weight` from outside: engines that shard parameters (DeepSpeed ZeRO-3,
+    FSDP) gather a module's own parameters around its forward and its backward, and a weight read outside them
+    is an empty shard. Same parameter name and shape as nn.Linear: checkpoints and exports are unchanged."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor, target_p: Tensor | None = None, argmax_draft: Tensor | None = None, *,
+                num_positions: int | None = None, tv_weight: float = 0.0):
+        if target_p is None:
+            return super().forward(x)
+        return linear_soft_cross_entropy(x, self.weight, target_p, argmax_draft, num_positions=num_positions,
+                                         tv_weight=tv_weight)

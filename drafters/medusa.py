@@ -83,5 +83,5 @@ class MedusaHeads(nn.Module):
 
     def project(self, h: Tensor, k: int, lm_head: Tensor) -> Tensor:
         # h (..., d) -> (..., V); lm_head (V, d) = the frozen target LM head weight
-        own = self.heads[k].lm_head
-        return F.linear(h, lm_head if own is None else own.weight)
+        own = self.heads[k].lm_head  # called, not read: sharding engines (ZeRO-3, FSDP) gather it around the call
+        return F.linear(h, lm_head) if own is None else own(h)

@@ -68,3 +68,13 @@ def test_sample_one_trains_one_head_per_micro_batch():
     grad = m.down.weight.grad.unflatten(0, (K, D))  # (K, D, K*FF): rows of each head's slice
     assert grad[1].abs().sum() > 0 and grad[0].abs().sum() == 0 and grad[2].abs().sum() == 0
     assert out.counts.tolist() == [0, 2 * (10 - 3), 0] and out.loss == out.head_losses[1]
+
+
+def test_rows_of_the_down_projection_are_the_full_projections_rows():
+    from drafters.blockwise import RowsLinear
+
+    torch.manual_seed(0)
+    layer = RowsLinear(6, 9)
+    z, rows = torch.randn(2, 3, 6), torch.tensor([6, 7, 8, 0, 1, 2])
+    torch.testing.assert_close(layer(z, rows), layer(z)[..., rows])
+    assert torch.equal(layer(z), torch.nn.functional.linear(z, layer.weight, layer.bias))

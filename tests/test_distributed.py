@@ -1,8 +1,12 @@
-"""Two-process data-parallel training on CPU (gloo) equals one process with the same global batch.
+"""Every shipped accelerate configuration trains on 2 CPU processes (gloo) with only its device fields swapped, and
+equals one process with the same global batch; resuming from a mid-run checkpoint equals the uninterrupted run;
+the exported drafter reloads.
 
-torchrun starts 2 processes of train/eagle.py; one process with grad_accum=2 sees the same
-micro-batches per optimizer step (accelerate deals the sampler's batches out round-robin), so the
-weights, the logged loss curve and the token counts must agree up to float summation order.
+One process with grad_accum=2 sees the same micro-batches per optimizer step as two processes with grad_accum=1
+(accelerate deals the sampler's batches out round-robin), so weights, the logged loss curve and the token
+counts must agree up to float summation order: the gradients of two micro-batches are summed in another order
+(all-reduce or reduce-scatter instead of accumulation), ~1 ulp per step on a 6-step run. Resume is bitwise: the
+resumed run restores the same shards, optimizer state, RNG and data position.
 """
 
 import json
@@ -14,12 +18,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["recipes/eagle3_tiny.yaml", "save_every=0", "eval_every=0", "threads=1"]
+CONFIGS = ROOT / "recipes" / "accelerate"
+COMMON = ["recipes/eagle3_tiny.yaml", "eval_every=0", "threads=1"]
+# engine -> (shipped configuration, what the trainer prints for it); the MULTI_GPU file runs as gloo DDP on CPUs
+ENGINES = {"ddp": ("ddp_8gpu.yaml", "MULTI_CPU"), "zero2": ("zero2_8gpu.yaml", "DEEPSPEED"),
+           "zero3": ("zero3_8gpu.yaml", "DEEPSPEED"), "fsdp2": ("fsdp_8gpu.yaml", "FSDP")}
+
+
+def on_two_cpus(config: dict) -> dict:
+    """A shipped GPU configuration with only its device fields swapped for 2 CPU processes."""
+    # fp32: the comparison with one process is exact up to summation order (and not every CPU has native bf16).
+    # distributed_type stays: accelerate launch runs MULTI_GPU, DEEPSPEED and FSDP files through torchrun, which
+    # starts the processes on CPUs too (the trainer then picks gloo), while MULTI_CPU would need mpirun.
+    return {**config, "num_processes": 2, "mixed_precision": "no"}
 
 
 def free_port() -> int:
@@ -28,49 +45,106 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch(config: dict, tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    path = tmp_path / f"accelerate-{os.getpid()}-{len(list(tmp_path.glob('accelerate-*')))}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
+                           "--main_process_port", str(free_port()), "train/eagle.py", *COMMON, *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def weights(run_dir, checkpoint="checkpoint-final"):
+    return load_file(run_dir / checkpoint / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    # the one-process baseline both launchers are compared with, trained once
+    # the one-process baseline every engine is compared with, trained once
     out = tmp_path_factory.mktemp("one")
-    load_script("train/eagle.py").main([*COMMON, f"output_dir={out}", "grad_accum=2"])
+    load_script("train/eagle.py").main([*COMMON, f"output_dir={out}", "grad_accum=2", "save_every=0"])
     return out
 
 
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(one, tmp_path):
-    two = tmp_path / "two"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "train/eagle.py", *COMMON, f"output_dir={two}",
-                           "grad_accum=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_shipped_engine_on_two_processes_equals_one_resumes_and_exports(engine, one, tmp_path):
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="pip install -e .[test] installs deepspeed")
+    name, printed = ENGINES[engine]
+    config = on_two_cpus(yaml.safe_load((CONFIGS / name).read_text()))
+    run = tmp_path / "run"
+    done = launch(config, tmp_path, f"output_dir={run}", "grad_accum=1", "save_every=2")
     assert done.returncode == 0, done.stderr[-3000:]
-    a = load_file(one / "checkpoint-final" / "model.safetensors")
-    b = load_file(two / "checkpoint-final" / "model.safetensors")
-    assert a.keys() == b.keys()
+    assert f"2 process(es), {printed}" in done.stdout
+    a, b = weights(one), weights(run)
+    assert a.keys() == b.keys() and all(b[k].shape == a[k].shape for k in a)  # whole tensors, not shards
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
-    ra, rb = rows(one), rows(two)
+    ra, rb = rows(one), rows(run)
     assert [r["tokens"] for r in rb] == [r["tokens"] for r in ra]  # all processes' tokens counted
     assert [r["loss"] for r in rb] == pytest.approx([r["loss"] for r in ra], rel=1e-5)
-    assert [a for r in rb for a in r["step_acc"]] == pytest.approx([a for r in ra for a in r["step_acc"]], abs=1e-6)
 
-
-def test_two_process_deepspeed_zero2_on_cpu_matches_one_process(one, tmp_path):
-    pytest.importorskip("deepspeed", reason="pip install -e .[test] installs deepspeed")
-    two = tmp_path / "zero2"
-    # the launch line of recipes/accelerate/zero2_cpu2.yaml, so the config file users copy is what runs
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           "recipes/accelerate/zero2_cpu2.yaml", "--main_process_port", str(free_port()),
-                           "train/eagle.py", *COMMON, f"output_dir={two}", "grad_accum=1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # resume from the middle into a new directory: bitwise the uninterrupted run's weights
+    resumed = tmp_path / "resumed"
+    done = launch(config, tmp_path, f"output_dir={resumed}", "grad_accum=1", "save_every=0",
+                  f"resume_from={run / 'checkpoint-2'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 process(es), DEEPSPEED" in done.stdout
-    a = load_file(one / "checkpoint-final" / "model.safetensors")
-    b = load_file(two / "checkpoint-final" / "model.safetensors")
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
-    assert [r["loss"] for r in rows(two)] == pytest.approx([r["loss"] for r in rows(one)], rel=1e-5)
+    assert "resumed from" in done.stdout
+    c = weights(resumed)
+    for key in b:
+        assert torch.equal(c[key], b[key]), key
+
+    # the checkpoint exports and the export reads back as the same drafter
+    from drafters.checkpoint import load_checkpoint
+    from drafters.export.check import check_export
+    from drafters.export.dispatch import export_checkpoint
+
+    out = export_checkpoint(run / "checkpoint-final", "vllm", tmp_path / "export").path
+    assert check_export(out, "vllm", reference=load_checkpoint(run / "checkpoint-final")).max_logit_diff <= 1e-5
+
+
+def test_the_cpu_zero2_file_is_the_shipped_one_with_its_device_fields_swapped():
+    shipped = on_two_cpus(yaml.safe_load((CONFIGS / "zero2_8gpu.yaml").read_text()))
+    assert yaml.safe_load((CONFIGS / "zero2_cpu2.yaml").read_text()) == shipped
+
+
+def test_every_shipped_configuration_is_run_here():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted([*(n for n, _ in ENGINES.values()),
+                                                                      "zero2_cpu2.yaml"])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"fsdp_config": {"fsdp_version": 1}}, "set fsdp_version: 2"),
+    ({"mixed_precision": "bf16"}, "set mixed_precision: \"no\" in the accelerate config"),
+])
+def test_a_configuration_this_machine_cannot_run_gets_one_sentence(change, message, tmp_path):
+    config = on_two_cpus(yaml.safe_load((CONFIGS / "fsdp_8gpu.yaml").read_text()))
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    done = launch(config, tmp_path, f"output_dir={tmp_path / 'out'}", "grad_accum=1", "save_every=0",
+                  "mixed_precision=no", timeout=300)
+    assert done.returncode != 0
+    assert message in done.stderr  # from each process, before its Accelerator starts
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr
+    assert not (tmp_path / "out" / "checkpoint-final").exists()
+
+
+def test_features_written_by_two_processes_are_the_one_process_store(tmp_path):
+    data, recipe = ROOT / "tests" / "data" / "tiny_conversations.jsonl", "recipes/eagle3_tiny.yaml"
+    args = [recipe, f"data.path={data}", "features.dtype=float32", "features.shard_rows=3", "threads=1"]  # 7 shards
+    one = load_script("train/features.py").main([*args, f"features.dir={tmp_path / 'one'}"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "train/features.py", *args, f"features.dir={tmp_path / 'two'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "index.json").read_text())
+    assert two["complete"] and len(two["shards"]) == 7
+    assert two["shards"] == one["shards"]  # the same bytes (sha256) in the same shards
+    assert {k: v for k, v in two.items() if k != "shards"} == {k: v for k, v in one.items() if k != "shards"}
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert "[process 1] features: shard-00001.safetensors written" in done.stdout

@@ -110,6 +110,27 @@ def test_rerun_resumes_and_rewrites_only_missing_shards(scripts, written, tmp_pa
     assert not list(directory.glob(".*"))  # no temporary file left
 
 
+def test_an_interrupted_multi_process_run_resumes_from_each_processs_list(scripts, written, tmp_path):
+    # two processes stopped before the merge: index.json never written, each process's list of finished shards
+    # left behind; process 1's list names a shard whose bytes changed since. A rerun keeps what the lists prove.
+    directory = tmp_path / "copy"
+    shutil.copytree(written[0], directory)
+    shards = json.loads((directory / "index.json").read_text())["shards"]
+    (directory / "index.json").unlink()
+    (directory / "index-rank0.json").write_text(json.dumps({"shards": {
+        k: shards[k] for k in ("shard-00000.safetensors", "shard-00002.safetensors")}}))
+    (directory / "index-rank1.json").write_text(json.dumps({"shards": {
+        "shard-00001.safetensors": {**shards["shard-00001.safetensors"], "sha256": "0" * 64}}}))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in directory.glob("shard-*")}
+    index = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}"])
+    after = {p.name: p.stat().st_mtime_ns for p in directory.glob("shard-*")}
+    assert after["shard-00000.safetensors"] == mtimes["shard-00000.safetensors"]  # proven by a list: kept
+    assert after["shard-00002.safetensors"] == mtimes["shard-00002.safetensors"]
+    assert after["shard-00001.safetensors"] != mtimes["shard-00001.safetensors"]  # its list was wrong: rewritten
+    assert index["complete"] and index["shards"] == written[1]["shards"]
+    assert not list(directory.glob("index-rank*"))  # merged into index.json and removed
+
+
 def test_damaged_shards_are_named_before_training_and_the_rerun_repairs_exactly_them(scripts, written, tmp_path):
     directory = tmp_path / "copy"
     shutil.copytree(written[0], directory)

@@ -81,3 +81,24 @@ def test_head_rows_equals_indexing_the_full_logits():
     hidden, head = torch.randn(2, 5, 8, generator=g), torch.nn.Linear(8, 11, bias=False)
     mask = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)
     torch.testing.assert_close(LabelLogits(hidden, head)[mask], head(hidden)[mask])
+
+
+def test_the_fused_head_is_a_linear_layer_and_its_loss_is_the_fused_loss():
+    # called with x alone it is the bias-free nn.Linear it replaces; with targets, the fused loss of its own weight
+    from drafters.losses import FusedLinearHead, linear_soft_cross_entropy
+
+    torch.manual_seed(0)
+    head = FusedLinearHead(8, 12)
+    x, target_p = torch.randn(5, 8), torch.softmax(torch.randn(5, 12), -1)
+    argmax = target_p.argmax(-1)
+    torch.testing.assert_close(head(x), x @ head.weight.T, rtol=0, atol=0)
+    assert list(head.state_dict()) == ["weight"]
+    got = head(x, target_p, argmax, num_positions=7)
+    want = linear_soft_cross_entropy(x, head.weight, target_p, argmax, num_positions=7)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    got[0].backward()
+    grad = head.weight.grad.clone()
+    head.weight.grad = None
+    soft = -(target_p * torch.log_softmax(x @ head.weight.T, -1)).sum() / 7
+    soft.backward()
+    torch.testing.assert_close(grad, head.weight.grad)

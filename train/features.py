@@ -9,7 +9,9 @@ the `features` section: dir (required here: where to write; training streams fro
 (bfloat16 | float16 | float32 storage), shard_rows; batch_size is the target's forward batch. Runs the
 target over ALL usable examples (the train / held-out split is made at training time, so eval_rows /
 eval_fraction / data.seed may change afterwards) and writes index.json + safetensors shards. Rerunning
-with the same recipe resumes: finished shards are skipped. Prints the storage in bytes per token.
+with the same recipe resumes: finished shards are skipped. Prints the storage in bytes per token. Under
+`accelerate launch` or torchrun with N processes, each process computes every N-th shard on its own device and
+the store is the one a single process writes (drafters.training.features).
 EAGLE-3 stores the fused aux layers and the final-normed hidden state (for the soft labels); EAGLE-1 its
 one feature.
 """
@@ -20,7 +22,7 @@ from drafters.targets import load_target
 from drafters.training.data import build_examples
 from drafters.training.eagle3 import EagleRecipe
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
-from drafters.training.features import features_header, write_features
+from drafters.training.features import Processes, features_header, write_features
 from drafters.training.recipe import RecipeError, run_main
 
 Recipe = EagleRecipe  # train/eagle.py's schema (tests/test_recipes.py reads a script's schema as `Recipe`)
@@ -35,15 +37,26 @@ def main(argv: list[str]) -> dict:
                           "train/eagle.py streams from it when the recipe sets it)")
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
+    processes, device = launched_processes()
     target = load_target(recipe.target, dtype=recipe.dtype)
-    if torch.accelerator.is_available():
-        target.model.to(torch.accelerator.current_accelerator())
+    target.model.to(device)
     header = features_header(recipe, target, TRAINING_FAMILIES[recipe.drafter])  # refuses online-only families
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length, fmt=data.fmt,
                                       split=data.split, limit=data.limit)
-    print(report.summary())
-    return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size)
+    if processes.rank == 0:
+        print(report.summary())
+    return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size,
+                          processes=processes)
+
+
+def launched_processes() -> tuple[Processes, torch.device]:
+    """One process, or the processes `accelerate launch` / torchrun started (gloo on CPUs): each writes its share
+    of the shards on its own device."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.accelerator.is_available())
+    return Processes(state.process_index, state.num_processes, state.wait_for_everyone), state.device
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from drafters.eagle3 import (
     ttt_label_rows,
 )
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
-from drafters.losses import LabelLogits, draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
+from drafters.losses import LabelLogits, draft_vocab_targets, soft_cross_entropy
 from drafters.targets import Target, default_eagle3_layers
 from drafters.training.dflash import DFlashOptions, check_dflash
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1
@@ -213,8 +213,8 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
                                               all_counted, num_positions=num_positions, tv_weight=tv_weight))
         else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
             normed = drafter.norm(hidden[:, :num_rows][counted])  # (M, h)
-            metrics.append(linear_soft_cross_entropy(normed, drafter.lm_head.weight, target_p, argmax_draft,
-                                                     num_positions=num_positions, tv_weight=tv_weight))
+            metrics.append(drafter.lm_head(normed, target_p, argmax_draft, num_positions=num_positions,
+                                           tv_weight=tv_weight))  # a module call: sharding engines gather it
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
     weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
@@ -337,8 +337,8 @@ class EagleRun(RunBase):
                               counted=out.step_counts, tokens=batch["attention_mask"].sum())
         return metrics if acc is None else acc + metrics
 
-    def held_out(self) -> dict:
-        return self.family.evaluate(self.drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
+    def held_out(self, drafter) -> dict:
+        return self.family.evaluate(drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
                                     self.recipe, self.accelerator)
 
     def describe(self, result: dict) -> str:

@@ -23,7 +23,10 @@ rows only: drafters.losses.LabelLogits), which is what the target itself compute
 through the same LabelLogits, so with float32 storage online and offline losses are bit-identical.
 
 Writing is resumable: each shard goes to a temporary file renamed into place, index.json (rewritten
-atomically after each shard) lists the finished ones, and a rerun skips them. Reading refuses features
+atomically after each shard) lists the finished ones, and a rerun skips them. With N processes (`accelerate
+launch` / torchrun), process r computes shards k = r, r + N, ... and lists them in its own index-rank<r>.json; at
+the end process 0 merges those lists into index.json and removes them (a rerun after a crash merges them first).
+Every shard holds the same rows and is computed the same way whatever N is, so the store is the 1-process one. Reading refuses features
 written for other data (sha256 of the data file's bytes + the data fields that shape the rows), another
 target, storage layout or family, and checks every example's tokens and loss mask against the stored ones.
 Knows nothing about drafters or training loops; `header` comes from the caller (train/features.py).
@@ -53,6 +56,7 @@ from drafters.training.batches import LengthBuckets, num_tokens
 
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
+RANK_INDEX = "index-rank{rank}.json"  # the shards one of several writing processes finished
 DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; eval_* / seed only split them
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")
@@ -97,20 +101,39 @@ def header_mismatch(stored: dict, current: dict) -> tuple[str, object, object] |
 # ---- writing -----------------------------------------------------------------------------------------
 
 
+class Processes:
+    """The processes writing one store: this one's rank, how many, and a barrier (no-op for one process)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, barrier=lambda: None):
+        self.rank, self.world, self.barrier = rank, world, barrier
+
+
 def write_features(directory, target, examples: list[Example], header: dict, *, batch_size: int = 8,
-                   say=print) -> dict:
-    """Runs the target over `examples` (all usable examples, data order) and writes the missing shards.
+                   say=print, processes: Processes | None = None) -> dict:
+    """Runs the target over `examples` (all usable examples, data order) and writes the missing shards, this
+    process's share of them when `processes` are several (every process calls this with the same arguments).
     -> the final index (also in directory/index.json)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    processes = processes or Processes()
+    rank, world = processes.rank, processes.world
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    processes.barrier()
     header = {**header, "rows": len(examples), "tokens": sum(map(num_tokens, examples))}
     index = _resumable_index(directory, header)
+    processes.barrier()  # every process has read the lists before any process adds to them
     dtype, per_shard = DTYPES[header["dtype"]], header["shard_rows"]
     spec = header["layer_spec"]
     num_shards = math.ceil(len(examples) / per_shard)
+    mine = range(rank, num_shards, world)
+    if world > 1:
+        say = partial(_ranked, say, rank)
+    mine_tokens = sum(num_tokens(e) for k in mine for e in examples[k * per_shard:(k + 1) * per_shard])
     start = time.perf_counter()
-    bar = tqdm(total=header["tokens"], unit="tok", unit_scale=True, desc="features", dynamic_ncols=True)
-    for k in range(num_shards):
+    bar = tqdm(total=mine_tokens, unit="tok", unit_scale=True, desc="features", dynamic_ncols=True,
+               disable=rank != 0)
+    own = {}  # this process's finished shards (index-rank<r>.json when several processes write)
+    for k in mine:
         name = f"shard-{k:05d}.safetensors"
         done = index["shards"].get(name)
         if done is not None:
@@ -126,10 +149,13 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
         try:
             with atomic_path(directory / name) as tmp:  # a shard file is complete or absent
                 save_file(tensors, tmp, metadata={"format": FORMAT})
-            index["shards"][name] = {"first_row": k * per_shard, "rows": len(rows),
-                                     "tokens": tensors["input_ids"].numel(), "bytes": (directory / name).stat().st_size,
-                                     "sha256": file_sha256(directory / name)}
-            _write_index(directory, index)
+            index["shards"][name] = own[name] = {
+                "first_row": k * per_shard, "rows": len(rows), "tokens": tensors["input_ids"].numel(),
+                "bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
+            if world == 1:
+                _write_index(directory, index)
+            else:  # index.json is process 0's to write; each process lists its own shards
+                write_text_atomic(directory / RANK_INDEX.format(rank=rank), json.dumps({"shards": own}, indent=2))
         except Exception as err:  # noqa: BLE001 - re-raised unless it is a full disk
             if not disk_full(err):
                 raise
@@ -141,12 +167,42 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
         say(f"features: {name} written ({len(rows)} examples, {index['shards'][name]['tokens']} tokens, "
             f"{time.perf_counter() - start:.1f}s so far)")
     bar.close()
-    index["complete"] = True
-    index["bytes"] = sum(s["bytes"] for s in index["shards"].values())
-    index["bytes_per_token"] = index["bytes"] / max(index["tokens"], 1)
-    _write_index(directory, index)
-    say(storage_report(index))
-    return index
+    processes.barrier()  # every shard is written
+    if rank == 0:
+        index = _merge_rank_indexes(directory, index)
+        missing = [f"shard-{k:05d}.safetensors" for k in range(num_shards)
+                   if f"shard-{k:05d}.safetensors" not in index["shards"]]
+        if missing:  # a process ended without writing its share: never mark such a store complete
+            raise FeatureStoreError(f"{directory}: {len(missing)} shards were not written ({', '.join(missing[:3])}"
+                                    f"{', ...' if len(missing) > 3 else ''}); run the same command again to write them")
+        index["complete"] = True
+        index["bytes"] = sum(s["bytes"] for s in index["shards"].values())
+        index["bytes_per_token"] = index["bytes"] / max(index["tokens"], 1)
+        _write_index(directory, index)
+        for path in directory.glob(RANK_INDEX.format(rank="*")):
+            path.unlink()
+        say(storage_report(index))
+    processes.barrier()  # index.json is final
+    return index if rank == 0 else _read_index(directory)
+
+
+def _ranked(say, rank: int, line: str) -> None:
+    say(f"[process {rank}] {line}")
+
+
+def _merge_rank_indexes(directory: Path, index: dict) -> dict:
+    """index plus the shards listed in index-rank<r>.json files (left by several processes, finished or
+    interrupted), each kept only if its file is what the list says."""
+    shards = dict(index["shards"])
+    for path in sorted(directory.glob(RANK_INDEX.format(rank="*"))):
+        try:
+            listed = json.loads(path.read_text())["shards"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a list cut short: its shards are computed again
+        for name, entry in listed.items():
+            if shard_problem(directory, name, entry) is None:
+                shards[name] = entry
+    return {**index, "shards": shards}
 
 
 def target_values(target, input_ids: Tensor, attention_mask: Tensor, spec: dict) -> dict[str, Tensor]:
@@ -199,14 +255,14 @@ def shard_problem(directory: Path, name: str, entry: dict) -> str | None:
 def _resumable_index(directory: Path, header: dict) -> dict:
     index = _read_index(directory)
     if index is None:
-        return {**header, "complete": False, "shards": {}}
+        return _merge_rank_indexes(directory, {**header, "complete": False, "shards": {}})
     differs = [k for k in ("format", "dtype", "shard_rows", "rows", "tokens") if index.get(k) != header[k]]
     mismatch = header_mismatch(index, header)
     if differs or mismatch:
         name, old, new = mismatch or (differs[0], index.get(differs[0]), header[differs[0]])
         raise FeatureStoreError(f"{directory / INDEX}: these features were written by another recipe ({name}: "
                                 f"{old!r} there, {new!r} now); delete {directory} or choose another features.dir")
-    return {**index, **header, "complete": False}
+    return _merge_rank_indexes(directory, {**index, **header, "complete": False})
 
 
 def _read_index(directory: Path) -> dict | None:

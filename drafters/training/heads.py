@@ -220,8 +220,8 @@ class HeadsRun(RunBase):
         self.accelerator.wait_for_everyone()
         return path
 
-    def held_out(self) -> dict:
-        return evaluate(self.drafter, self.target, self.eval_batches, self.recipe, self.accelerator, self.lm_head)
+    def held_out(self, drafter) -> dict:
+        return evaluate(drafter, self.target, self.eval_batches, self.recipe, self.accelerator, self.lm_head)
 
     def describe(self, result: dict) -> str:
         return format_eval(result)

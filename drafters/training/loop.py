@@ -12,6 +12,7 @@ drafters.training.metrics' and checkpoints / resume drafters.training.checkpoint
 drafters or losses.
 """
 
+import copy
 import json
 import math
 import signal
@@ -56,20 +57,79 @@ def make_accelerator(recipe, script: str):
     if recipe.mixed_precision == "fp16" and not gpu:  # accelerate would train in fp32 and report fp16
         raise RecipeError("mixed_precision=fp16 needs a GPU: on a CPU accelerate leaves fp16 autocast off and "
                           "trains in fp32; use mixed_precision=bf16 (CPU autocast) or mixed_precision=no")
+    check_launch_config(recipe, gpu)
+    # DeepSpeed on CPUs: accelerate drops it under cpu=True, so it gets cpu=False and gloo
     deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    fsdp_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_FSDP") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
     mixed_precision = resolve_precision("auto", recipe.mixed_precision)[1]
     accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers,
                               cpu=not gpu and not deepspeed_on_cpu)
+    if fsdp_on_cpu and accelerator.num_processes > 1:
+        # accelerate turns FSDP on for accelerator devices only; on CPUs its processes are gloo MULTI_CPU, where
+        # FSDP2's fully_shard works as well: hand it the plugin the launch asked for
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        # both shared states: every later AcceleratorState() copies the process state's distributed_type back
+        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     if accelerator.state.deepspeed_plugin is not None:
         if recipe.grad_accum != 1:  # DeepSpeed steps its engine at every backward under our own accumulation
             raise RecipeError(f"grad_accum={recipe.grad_accum} under DeepSpeed is not supported yet: use grad_accum=1 "
                               "and a larger batch_size or more processes for the same global batch")
         # the loader's batches come from a batch sampler, which DeepSpeed cannot read the size of
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.batch_size
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = recipe.batch_size
+        # DeepSpeed clips inside its engine (accelerate's clip_grad_norm_ only reads the norm back): the recipe's
+        # max_grad_norm becomes its gradient_clipping, and a different value in the engine's config is refused
+        clip = float(recipe.optim.max_grad_norm or 0.0)
+        given = config.get("gradient_clipping", "auto")
+        if given not in ("auto", None) and float(given) != clip:
+            raise RecipeError(f"the DeepSpeed config sets gradient_clipping: {given} but the recipe's "
+                              f"optim.max_grad_norm is {recipe.optim.max_grad_norm}: the recipe decides; remove "
+                              "gradient_clipping from the accelerate config or set the same value in both")
+        config["gradient_clipping"] = clip
+        if shards_parameters(accelerator):  # get_state_dict gathers ZeRO-3 shards only with this set
+            config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    if recipe.optim.clip_value is not None and accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        raise RecipeError(f"optim.clip_value={recipe.optim.clip_value}: {accelerator.distributed_type.value} clips "
+                          "gradients by their norm only; set optim.clip_value=null and optim.max_grad_norm (e.g. "
+                          "0.5), or train with DDP (recipes/accelerate/ddp_8gpu.yaml)")
     accelerator.print(f"{script}: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
                       f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
     return accelerator
+
+
+def check_launch_config(recipe, gpu: bool) -> None:
+    """What an accelerate config asks that this machine or this recipe cannot give, refused in one sentence naming
+    the config field, before the Accelerator starts: `accelerate launch` passes the config's fields to every
+    process as ACCELERATE_* / FSDP_* environment variables."""
+    import os
+
+    if not gpu and os.environ.get("ACCELERATE_USE_FSDP") == "true" and os.environ.get("FSDP_VERSION", "1") == "1":
+        raise RecipeError("the accelerate config asks for FSDP v1 (fsdp_version: 1, the default), which needs a GPU; "
+                          "set fsdp_version: 2 in its fsdp_config (FSDP2 runs on CPUs; recipes/accelerate/"
+                          "fsdp_8gpu.yaml)")
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    chosen = resolve_precision("auto", recipe.mixed_precision)[1]
+    if asked not in (None, chosen):
+        raise RecipeError(f"the accelerate config asks mixed_precision: {asked}, but the recipe's mixed_precision="
+                          f"{recipe.mixed_precision} resolves to {chosen} on this machine"
+                          + (" (no native bf16 on this CPU)" if asked == "bf16" and chosen == "no" else "")
+                          + f": set mixed_precision: \"{chosen}\" in the accelerate config, or the recipe's "
+                          f"mixed_precision={asked}")
+
+
+def shards_parameters(accelerator) -> bool:
+    """DeepSpeed ZeRO-3 and FSDP keep each parameter in shards outside a module's own forward and backward: the
+    drafter's `.weight`s read from outside are empty there, so evaluation and checkpoints use a gathered copy
+    (RunBase.whole_drafter)."""
+    from accelerate.utils import DistributedType
+
+    plugin = accelerator.state.deepspeed_plugin
+    return (accelerator.distributed_type == DistributedType.FSDP
+            or (plugin is not None and int(plugin.zero_stage) == 3))
 
 
 def start_run(recipe, script: str):
@@ -169,6 +229,8 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
                 if clip_value is not None:  # elementwise, before the norm clip (the official EAGLE setting)
                     accelerator.clip_grad_value_(objective.parameters(), clip_value)
                 grad_norm = accelerator.clip_grad_norm_(objective.parameters(), max_norm)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every process's shards, a DTensor
+                    grad_norm = grad_norm.full_tensor()
                 lr = scheduler.get_last_lr()[0]  # the lr this step used
                 optimizer.step()
                 scheduler.step()
@@ -225,6 +287,8 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
     optimizer = torch.optim.AdamW(objective.drafter.parameters(), lr=recipe.optim.lr,
                                   betas=tuple(recipe.optim.betas), weight_decay=recipe.optim.weight_decay)
     sampler = loader.batch_sampler
+    # a whole copy for evaluation and checkpoints, made before prepare() shards the drafter (main process only)
+    whole = copy.deepcopy(objective.drafter) if shards_parameters(accelerator) and accelerator.is_main_process else None
     objective, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
     total_steps = plan_steps(recipe, len(loader))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, recipe.optim, total_steps))
@@ -237,14 +301,14 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
         resumed = (step, tokens)
         say(f"{name}: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
     run = family.run(family, recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler,
-                     resumed)
+                     resumed, whole)
     losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
     result = run.evaluate(total_steps)
     checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
     say(f"{name}: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
     if run.sink is not None:
         run.sink.finish()
-    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target, run.drafter)
+    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target, run.whole_drafter())
 
 
 class Run(Protocol):
@@ -255,8 +319,8 @@ class Run(Protocol):
     def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
         """Forward + backward of one micro-batch; its metrics summed into `acc` (None: the first of a step)."""
 
-    def held_out(self) -> dict:
-        """The held-out evaluation's metrics (main process only)."""
+    def held_out(self, drafter) -> dict:
+        """The held-out evaluation's metrics of `drafter` (whole; main process only)."""
 
     def describe(self, result: dict) -> str:
         """held_out's result as one line."""
@@ -265,13 +329,16 @@ class Run(Protocol):
 class RunBase:
     """The pieces of one training run that the loop, the evaluation and the saving share, the same for
     every family. A subclass provides micro_step(batch, acc) (forward + backward of one micro-batch ->
-    summed metric tensors), held_out() -> the evaluation's metrics dict and describe(result) -> its
+    summed metric tensors), held_out(drafter) -> the evaluation's metrics dict and describe(result) -> its
     one-line summary (the Run protocol above); step_loss_is (what its StepMetrics.parts are, written into
-    every metrics.jsonl row) is the family's loss_parts. resumed: (step, tokens) of the checkpoint resumed."""
+    every metrics.jsonl row) is the family's loss_parts. resumed: (step, tokens) of the checkpoint resumed.
+    whole: under an engine that shards parameters (shards_parameters), the main process's unsharded copy of
+    the drafter that whole_drafter() fills from the gathered weights; None otherwise."""
 
     def __init__(self, family, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
-                 sampler, resumed: tuple[int, int] | None = None):
+                 sampler, resumed: tuple[int, int] | None = None, whole=None):
         self.family, self.step_loss_is, self.resumed = family, family.loss_parts, resumed
+        self.sharded, self.whole = shards_parameters(accelerator), whole
         self.recipe, self.accelerator, self.target = recipe, accelerator, target
         self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
         self.train_rows, self.sampler = train_rows, sampler
@@ -288,8 +355,9 @@ class RunBase:
         from tqdm import tqdm
 
         result = None
+        drafter = self.whole_drafter()  # every process: gathering shards is collective
         if self.eval_batches and self.accelerator.is_main_process:
-            result = self.held_out()
+            result = self.held_out(drafter)
             result["step"] = step
             tqdm.write(self.describe(result))  # keeps the progress bar intact
             with open(self.output_dir / "eval.jsonl", "a", encoding="utf-8") as f:
@@ -303,11 +371,25 @@ class RunBase:
         """What of a held-out result goes to wandb (default: all of it)."""
         return result
 
+    def whole_drafter(self):
+        """The drafter with every parameter whole: the trained module itself, or under an engine that shards
+        parameters the main process's copy loaded from the gathered weights (None on the other processes, which
+        must call this too: the gathering is collective)."""
+        if not self.sharded:
+            return self.drafter
+        state = self.accelerator.get_state_dict(self.objective)  # full tensors on the main process
+        if not self.accelerator.is_main_process:
+            return None
+        prefix = "drafter."  # every family's objective holds its drafter as .drafter
+        self.whole.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        return self.whole
+
     def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
         """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
         self.tokens_total = self.log.tokens_total
+        drafter = self.whole_drafter()
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),
-                      "target": target_info(self.target), "state_dict": self.drafter.state_dict(),
+                      "target": target_info(self.target), "state_dict": None if drafter is None else drafter.state_dict(),
                       "extra": self.checkpoint_extra(step, result)}
         return save_run_checkpoint(self.accelerator, path, step, position, self.tokens_total, **checkpoint)
 
