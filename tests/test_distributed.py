@@ -22,9 +22,10 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.training.engines import SHIPPED, on_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "recipes" / "accelerate"
+CONFIGS = SHIPPED
 COMMON = ["recipes/eagle3_tiny.yaml", "eval_every=0", "threads=1"]
 # engine -> (shipped configuration, what the trainer prints for it); the MULTI_GPU file runs as gloo DDP on CPUs
 ENGINES = {"ddp": ("ddp_8gpu.yaml", "MULTI_CPU"), "zero2": ("zero2_8gpu.yaml", "DEEPSPEED"),
@@ -32,11 +33,7 @@ ENGINES = {"ddp": ("ddp_8gpu.yaml", "MULTI_CPU"), "zero2": ("zero2_8gpu.yaml", "
 
 
 def on_two_cpus(config: dict) -> dict:
-    """A shipped GPU configuration with only its device fields swapped for 2 CPU processes."""
-    # fp32: the comparison with one process is exact up to summation order (and not every CPU has native bf16).
-    # distributed_type stays: accelerate launch runs MULTI_GPU, DEEPSPEED and FSDP files through torchrun, which
-    # starts the processes on CPUs too (the trainer then picks gloo), while MULTI_CPU would need mpirun.
-    return {**config, "num_processes": 2, "mixed_precision": "no"}
+    return on_cpus(config, 2)
 
 
 def free_port() -> int:
@@ -87,6 +84,7 @@ def test_each_shipped_engine_on_two_processes_equals_one_resumes_and_exports(eng
     ra, rb = rows(one), rows(run)
     assert [r["tokens"] for r in rb] == [r["tokens"] for r in ra]  # all processes' tokens counted
     assert [r["loss"] for r in rb] == pytest.approx([r["loss"] for r in ra], rel=1e-5)
+    assert len(rb[-1]["peak_rss_gb_per_process"]) == 2 and min(rb[-1]["peak_rss_gb_per_process"]) > 0
 
     # resume from the middle into a new directory: bitwise the uninterrupted run's weights
     resumed = tmp_path / "resumed"

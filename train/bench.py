@@ -8,8 +8,8 @@ process; nothing is simulated. Per run it prints
     tokens/s   real (non-pad) tokens of all processes per second over the last `--steps` optimizer steps
                (metrics.jsonl `tokens_per_s` of the last flush window: start-up, the target load and the
                first steps' warm-up are excluded)
-    peak RSS   the training process's maximum resident set in GB: os.wait4's for one process, metrics.jsonl's
-               `peak_rss_gb` of the main process for several
+    peak RSS   the training process's maximum resident set in GB: os.wait4's for one process, the largest of
+               metrics.jsonl's `peak_rss_gb_per_process` (each process's own) for several
 Settings run alternately (A B A B ...) so a change in machine load does not favour one of them.
 The reference trainers' settings: training-time test 7 steps, draft vocabulary 32000, sequences cut at
 512 tokens, bf16 target and autocast where bf16 is native (float32 where the CPU emulates bf16, ~50x
@@ -26,6 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
+from drafters.training.engines import SHIPPED, on_cpus
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/eagle3_smollm2.yaml"
 # bf16 as the reference trainers ran it where bf16 is native; float32 on a CPU that emulates it (~50x slower)
@@ -35,18 +39,29 @@ LIMIT = 240  # conversations read: enough for 2 x 6 steps of 8, and offline feat
 # the recipe's settings when the README's figures were measured (its defaults are now eval/ablate.py's winners)
 PRE_ABLATION = ["ttt_steps=7", "draft_vocab_size=16000", "draft_vocab_coverage=null", "norm_before_fc=false",
                 "batch_size=4", "grad_accum=2"]
-SETTINGS = {  # name -> (processes, threads per process, overrides after the recipe)
+# the distributed engines: the recipe's defaults from the offline store, 4 x 1 per process, on 2 CPU processes
+ENGINE_RUN = ["features.dir={features}", "batch_size=4", "grad_accum=1"]
+SETTINGS = {  # name -> (processes, threads per process, overrides after the recipe[, shipped accelerate config])
     "reference": (1, 1, REFERENCE),
     "reference-offline": (1, 1, [*REFERENCE, "features.dir={features}"]),
     "recipe-1proc-2threads": (1, 2, PRE_ABLATION),
     "recipe-2proc": (2, 1, [*PRE_ABLATION, "grad_accum=1"]),  # the same global batch: 2 processes x 4 x 1
+    # recipes/accelerate/<file> with its device fields swapped for 2 CPU processes (drafters.training.engines)
+    "ddp-2proc": (2, 1, ENGINE_RUN, "ddp_8gpu.yaml"),
+    "zero2-2proc": (2, 1, ENGINE_RUN, "zero2_8gpu.yaml"),
+    "zero3-2proc": (2, 1, ENGINE_RUN, "zero3_8gpu.yaml"),
+    "fsdp2-2proc": (2, 1, ENGINE_RUN, "fsdp_8gpu.yaml"),
 }
 
 
 def command(name: str, steps: int, output_dir: Path, features: str) -> list[str]:
-    processes, threads, overrides = SETTINGS[name]
+    processes, threads, overrides, *engine = SETTINGS[name]
     launcher = [sys.executable] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    if engine:  # the shipped file, device fields swapped, next to the run's output
+        config = output_dir / "accelerate.yaml"
+        config.write_text(yaml.safe_dump(on_cpus(yaml.safe_load((SHIPPED / engine[0]).read_text()), processes)))
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     common = [f"threads={threads}", f"max_steps={2 * steps}", f"log_every={steps}", "save_every=0",
               "eval_every=0", f"data.limit={LIMIT}", "data.eval_rows=1", "epochs=null", f"output_dir={output_dir}"]
     return [*launcher, "train/eagle.py", RECIPE, *[o.format(features=features) for o in overrides], *common]
@@ -55,7 +70,7 @@ def command(name: str, steps: int, output_dir: Path, features: str) -> list[str]
 def measure(name: str, steps: int, features: str) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         args = command(name, steps, Path(tmp), features)
-        env = {**os.environ, "OMP_NUM_THREADS": str(SETTINGS[name][1])}
+        env = {**os.environ, "OMP_NUM_THREADS": str(SETTINGS[name][1]), "DS_ACCELERATOR": "cpu"}
         start = time.perf_counter()
         log = Path(tmp) / "stderr.log"
         with open(log, "w") as stderr:
@@ -65,8 +80,11 @@ def measure(name: str, steps: int, features: str) -> dict:
             raise SystemExit(f"{name}: failed: {shlex.join(args)}\n{log.read_text()[-3000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     # one process: what the OS measured; several: the main process's own record (metrics.jsonl)
-    peak = usage.ru_maxrss / 2 ** 20 if SETTINGS[name][0] == 1 else rows[-1].get("peak_rss_gb", float("nan"))
+    # several: the largest of the processes' own records (metrics.jsonl)
+    peak = usage.ru_maxrss / 2 ** 20 if SETTINGS[name][0] == 1 else \
+        max(rows[-1].get("peak_rss_gb_per_process", [rows[-1].get("peak_rss_gb", float("nan"))]))
     return {"setting": name, "tokens_per_s": rows[-1]["tokens_per_s"], "peak_rss_gb": peak,
+            "peak_rss_gb_per_process": rows[-1].get("peak_rss_gb_per_process"),
             "tokens": sum(r["tokens"] for r in rows[-steps:]), "wall_s": time.perf_counter() - start,
             "command": shlex.join(["python" if a == sys.executable else a for a in args])}
 
@@ -77,14 +95,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps measured (after as many warm-up steps)")
     p.add_argument("--repeat", type=int, default=1, help="rounds of A B ... (alternating)")
     p.add_argument("--features", default="outputs/features/eagle3_smollm2_ref",
-                   help="offline features for reference-offline; written first if missing (python "
+                   help="offline features for reference-offline and the engines; written first if missing (python "
                         f"train/features.py {RECIPE} data.limit={LIMIT} dtype=bfloat16 features.dir=DIR)")
     args = p.parse_args(argv)
     names = args.settings.split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         raise SystemExit(f"--settings: unknown {unknown}; choose from {', '.join(SETTINGS)}")
-    if "reference-offline" in names and not (Path(args.features) / "index.json").is_file():
+    offline = any("{features}" in " ".join(SETTINGS[n][2]) for n in names)
+    if offline and not (Path(args.features) / "index.json").is_file():
         subprocess.run([sys.executable, "train/features.py", RECIPE, f"data.limit={LIMIT}", "data.eval_rows=1",
                         "threads=1", f"features.dir={args.features}"], cwd=ROOT, check=True)
     results = []

@@ -38,6 +38,7 @@ from drafters.training.checkpoints import (
     resume_checkpoint,
     save_run_checkpoint,
 )
+from drafters.training.engines import check_launch_config, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
@@ -99,37 +100,6 @@ def make_accelerator(recipe, script: str):
     accelerator.print(f"{script}: {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, "
                       f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}")
     return accelerator
-
-
-def check_launch_config(recipe, gpu: bool) -> None:
-    """What an accelerate config asks that this machine or this recipe cannot give, refused in one sentence naming
-    the config field, before the Accelerator starts: `accelerate launch` passes the config's fields to every
-    process as ACCELERATE_* / FSDP_* environment variables."""
-    import os
-
-    if not gpu and os.environ.get("ACCELERATE_USE_FSDP") == "true" and os.environ.get("FSDP_VERSION", "1") == "1":
-        raise RecipeError("the accelerate config asks for FSDP v1 (fsdp_version: 1, the default), which needs a GPU; "
-                          "set fsdp_version: 2 in its fsdp_config (FSDP2 runs on CPUs; recipes/accelerate/"
-                          "fsdp_8gpu.yaml)")
-    asked = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    chosen = resolve_precision("auto", recipe.mixed_precision)[1]
-    if asked not in (None, chosen):
-        raise RecipeError(f"the accelerate config asks mixed_precision: {asked}, but the recipe's mixed_precision="
-                          f"{recipe.mixed_precision} resolves to {chosen} on this machine"
-                          + (" (no native bf16 on this CPU)" if asked == "bf16" and chosen == "no" else "")
-                          + f": set mixed_precision: \"{chosen}\" in the accelerate config, or the recipe's "
-                          f"mixed_precision={asked}")
-
-
-def shards_parameters(accelerator) -> bool:
-    """DeepSpeed ZeRO-3 and FSDP keep each parameter in shards outside a module's own forward and backward: the
-    drafter's `.weight`s read from outside are empty there, so evaluation and checkpoints use a gathered copy
-    (RunBase.whole_drafter)."""
-    from accelerate.utils import DistributedType
-
-    plugin = accelerator.state.deepspeed_plugin
-    return (accelerator.distributed_type == DistributedType.FSDP
-            or (plugin is not None and int(plugin.zero_stage) == 3))
 
 
 def start_run(recipe, script: str):

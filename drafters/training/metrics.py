@@ -71,6 +71,9 @@ class MetricsLog:
                    for k in ("loss", "parts", "correct", "counted", "correct_top5")
                    if getattr(self.pending[0][2], k) is not None}
         grad_norms = torch.stack([g.to(tokens.device) for *_, g in self.pending]).tolist()
+        peaks = torch.zeros(processes, device=tokens.device)  # every process's peak memory, one slot each
+        peaks[process_rank()] = peak_rss_gb()
+        peaks = reduce_sum(peaks).tolist()
         tokens = tokens.tolist()
         now = time.perf_counter()
         rate = sum(tokens) / max(now - self.window_start, 1e-9)
@@ -79,7 +82,8 @@ class MetricsLog:
             accuracy = [c / max(n, 1) for c, n in zip(stacked["correct"][i], stacked["counted"][i])]
             rows.append({"step": step, "loss": stacked["loss"][i], "step_loss": stacked["parts"][i],
                          "step_loss_is": self.step_loss_is, "step_acc": accuracy, "lr": lr, "grad_norm": grad_norms[i], "tokens": tokens[i],
-                         "tokens_per_s": rate, "elapsed_s": now - self.start, "peak_rss_gb": peak_rss_gb()})
+                         "tokens_per_s": rate, "elapsed_s": now - self.start, "peak_rss_gb": peak_rss_gb(),
+                         "peak_rss_gb_per_process": peaks})
             if "correct_top5" in stacked:  # multi-head drafters (train/heads.py): label in the top-5, per head
                 rows[-1]["step_acc_top5"] = [c / max(n, 1) for c, n in zip(stacked["correct_top5"][i],
                                                                           stacked["counted"][i])]
@@ -94,6 +98,10 @@ class MetricsLog:
         self.pending, self.window_start = [], now
         last = rows[-1]
         return f"loss {last['loss']:.3f} acc0 {last['step_acc'][0]:.2f} {rate:.0f} tok/s"
+
+
+def process_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
 def peak_rss_gb() -> float:
