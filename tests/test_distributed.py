@@ -134,3 +134,25 @@ def test_a_launch_this_machine_cannot_run_gets_one_sentence(env, recipe, message
     for key in env:
         monkeypatch.delenv(key)
     check_launch_config(load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), *recipe], "train/eagle.py"), gpu=False)  # clean
+
+
+def test_the_frozen_target_loads_as_the_recipe_says_under_a_zero3_launch(tmp_path):
+    # accelerate registers a ZeRO-3 config with transformers; from_pretrained would then build the target under
+    # deepspeed.zero.Init (partitioned, in the engine's dtype). The trainer loads it outside that.
+    pytest.importorskip("deepspeed", reason="pip install -e .[test] installs deepspeed")
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from drafters.targets import load_target
+    from drafters.training.engines import outside_zero3
+
+    load_target("tiny-random-llama").model.save_pretrained(tmp_path / "target")
+    load_target("tiny-random-llama").tokenizer.save_pretrained(tmp_path / "target")
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    with outside_zero3():
+        assert not is_deepspeed_zero3_enabled()
+        target = load_target(str(tmp_path / "target"), dtype="bfloat16")
+    assert is_deepspeed_zero3_enabled()  # restored for the engine
+    assert all(p.dtype == torch.bfloat16 and p.numel() > 0 and not hasattr(p, "ds_id")
+               for p in target.model.parameters())
+    del config

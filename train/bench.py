@@ -39,8 +39,11 @@ LIMIT = 240  # conversations read: enough for 2 x 6 steps of 8, and offline feat
 # the recipe's settings when the README's figures were measured (its defaults are now eval/ablate.py's winners)
 PRE_ABLATION = ["ttt_steps=7", "draft_vocab_size=16000", "draft_vocab_coverage=null", "norm_before_fc=false",
                 "batch_size=4", "grad_accum=2"]
-# the distributed engines: the recipe's defaults from the offline store, 4 x 1 per process, on 2 CPU processes
-ENGINE_RUN = ["features.dir={features}", "batch_size=4", "grad_accum=1"]
+# the distributed engines: the recipe from the offline store, 4 x 1 per process, on 2 CPU processes, fp32 drafter
+# (as on_cpus swaps), with SpecForge's 32,000-id draft vocabulary: a 22M-parameter drafter whose weights,
+# gradients and Adam state (0.35 GB in fp32) are large enough for sharding them to show
+ENGINE_RUN = ["features.dir={features}", "batch_size=4", "grad_accum=1", "mixed_precision=no",
+              "draft_vocab_size=32000", "draft_vocab_coverage=null"]
 SETTINGS = {  # name -> (processes, threads per process, overrides after the recipe[, shipped accelerate config])
     "reference": (1, 1, REFERENCE),
     "reference-offline": (1, 1, [*REFERENCE, "features.dir={features}"]),
@@ -112,9 +115,15 @@ def main(argv=None) -> list[dict]:
             result = measure(name, args.steps, args.features)
             results.append(result)
             print(f"[{round_ + 1}/{args.repeat}] {name:24s} {result['tokens_per_s']:7.1f} tok/s  "
-                  f"peak RSS {result['peak_rss_gb']:.2f} GB/process  ({result['wall_s']:.0f} s)\n    {result['command']}",
+                  f"peak RSS {result['peak_rss_gb']:.2f} GB/process{per_process(result)}  ({result['wall_s']:.0f} s)\n"
+                  f"    {result['command']}",
                   flush=True)
     return results
+
+
+def per_process(result: dict) -> str:
+    peaks = result.get("peak_rss_gb_per_process") or []
+    return f" (each: {', '.join(f'{p:.2f}' for p in peaks)})" if len(peaks) > 1 else ""
 
 
 if __name__ == "__main__":

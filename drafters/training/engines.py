@@ -5,6 +5,7 @@ starts), which engines shard the drafter's parameters, and how a shipped GPU con
 """
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from drafters.targets import resolve_precision
@@ -48,3 +49,19 @@ def shards_parameters(accelerator) -> bool:
     plugin = accelerator.state.deepspeed_plugin
     return (accelerator.distributed_type == DistributedType.FSDP
             or (plugin is not None and int(plugin.zero_stage) == 3))
+
+
+@contextmanager
+def outside_zero3():
+    """Loads inside this block are plain: under a ZeRO-3 launch accelerate registers its DeepSpeed config with
+    transformers, whose from_pretrained then builds every model under deepspeed.zero.Init, partitioned and in
+    the engine's dtype. The frozen target is never prepared or sharded, so it must load as the recipe says
+    (the bf16 target of a recipe came back float32 and partitioned)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

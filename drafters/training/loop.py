@@ -38,7 +38,7 @@ from drafters.training.checkpoints import (
     resume_checkpoint,
     save_run_checkpoint,
 )
-from drafters.training.engines import check_launch_config, shards_parameters
+from drafters.training.engines import check_launch_config, outside_zero3, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
@@ -115,7 +115,8 @@ def start_run(recipe, script: str):
     claim_output_dir(recipe, accelerator)
     dtype, _, precision = resolve_precision(recipe.dtype, recipe.mixed_precision, accelerator.device)
     accelerator.print(precision)
-    target = load_target(recipe.target, dtype=dtype)
+    with outside_zero3():
+        target = load_target(recipe.target, dtype=dtype)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
     resume = resume_checkpoint(recipe, accelerator.print)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
