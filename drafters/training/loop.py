@@ -279,7 +279,11 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
     say(f"{name}: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
     if run.sink is not None:
         run.sink.finish()
-    return Summary(total_steps, run.tokens_total, losses, result, checkpoint, target, run.whole_drafter())
+    summary = Summary(total_steps, run.tokens_total, losses, result, checkpoint, target, run.whole_drafter())
+    if accelerator.num_processes > 1:  # a clean end of the process group: left to interpreter exit, a gloo
+        accelerator.wait_for_everyone()  # process could abort ("terminate called without an active exception")
+        accelerator.end_training()
+    return summary
 
 
 class Run(Protocol):
