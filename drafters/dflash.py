@@ -329,6 +329,13 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, kv, mask)
         return self.norm(x)
 
+    fused_loss = True  # the loss may fuse the frozen head into its cross-entropy (no logits kept)
+    confidence_head = None  # DSpark's optional head (drafters.dspark)
+
+    def slot_logits(self, normed: Tensor, prev: Tensor | None) -> Tensor:
+        """-> (..., Vd) a slot's logits; DFlash's slots ignore the token before them (DSpark's do not)."""
+        return self.compute_logits(normed)
+
     def compute_logits(self, normed: Tensor) -> Tensor:
         """normed (..., h) -> (..., Vd): the target's head rows (and its logit softcap, if any)."""
         if not self.head_attached:

@@ -163,3 +163,19 @@ class FusedLinearHead(nn.Linear):
             return super().forward(x)
         return linear_soft_cross_entropy(x, self.weight, target_p, argmax_draft, num_positions=num_positions,
                                          tv_weight=tv_weight)
+
+
+def supervised_targets(drafter, target_logits, loss_mask: Tensor
+                       ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """The target side of the EAGLE-3 / P-EAGLE loss, at the rows some TTT step (or P-EAGLE slot) scores: row r (label of step i at
+    t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
+    vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
+        rows (B, T) long: index of row r into the two tensors below, -1 where never scored
+        target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
+    needed = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1).bool()  # (B, T): loss_mask[r+1]
+    target_p, in_vocab, argmax_draft = draft_vocab_targets(
+        target_logits[needed], drafter.t2d, drafter.config.draft_vocab_size)  # (N', Vd), (N',) x2
+    scored = torch.zeros_like(needed)
+    scored[needed] = in_vocab  # (B, T)
+    rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
+    return rows, (target_p[in_vocab], argmax_draft[in_vocab])

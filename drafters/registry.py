@@ -9,7 +9,8 @@ here, so a new family (one file at the top of drafters/) is wired in by one entr
 A drafter fits a target when the shapes it reads and writes are the target's: hidden size and
 vocabulary for every family; the position range for the families with rotary attention (a drafter
 built for a shorter context drifts in serving engines); and the family's own reads (EAGLE-3's
-auxiliary layers exist in the target, EAGLE-1's feature is one it knows, DFlash's layers and mask token). The target's identity
+auxiliary layers exist in the target, EAGLE-1's feature is one it knows, DFlash's, DSpark's and P-EAGLE's
+layers and mask token). The target's identity
 (name, layer count) recorded in a checkpoint is drafters.checkpoint.check_target's business.
 """
 
@@ -22,9 +23,11 @@ from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import CheckpointError
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.medusa import MedusaConfig, MedusaHeads
+from drafters.peagle import PEagleConfig, PEagleDrafter
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,25 @@ def _dflash(config: DFlashConfig, state: dict) -> DFlashDrafter:
     return DFlashDrafter(config, vocab)
 
 
+def _dspark(config: DSparkConfig, state: dict) -> DSparkDrafter:
+    vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
+                                       target_vocab_size=config.vocab_size)
+    return DSparkDrafter(config, vocab)
+
+
+def _peagle(config: PEagleConfig, state: dict) -> PEagleDrafter:
+    vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
+                                       target_vocab_size=config.vocab_size)
+    return PEagleDrafter(config, vocab)
+
+
+def _peagle_reads(config, text) -> list[str]:
+    problems = _aux_layers_exist(config, text)
+    if not 0 <= config.mask_token_id < text.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is not a token id of the target (vocab {text.vocab_size})")
+    return problems
+
+
 def _dflash_reads(config, text) -> list[str]:
     problems = _aux_layers_exist(config, text)
     if not 0 <= config.mask_token_id < text.vocab_size:
@@ -73,8 +95,11 @@ FAMILIES: dict[str, Family] = {
     "medusa": Family(MedusaConfig, lambda c, s: MedusaHeads(c), ("hidden_size", "vocab_size")),
     "blockwise": Family(BlockwiseConfig, lambda c, s: BlockwiseHeads(c), ("hidden_size", "vocab_size")),
     "dflash": Family(DFlashConfig, _dflash, ("hidden_size", "vocab_size", "max_position_embeddings"), _dflash_reads),
+    "dspark": Family(DSparkConfig, _dspark, ("hidden_size", "vocab_size", "max_position_embeddings"), _dflash_reads),
+    "peagle": Family(PEagleConfig, _peagle, ("hidden_size", "vocab_size", "max_position_embeddings"), _peagle_reads),
 }
-NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "blockwise": "Blockwise", "dflash": "DFlash"}
+NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "blockwise": "Blockwise", "dflash": "DFlash",
+         "dspark": "DSpark", "peagle": "P-EAGLE"}
 
 
 def family_of(config) -> str:

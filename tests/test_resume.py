@@ -128,7 +128,7 @@ def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run
     del old["tv_weight"], old["dflash"]["block_size"]
     old["eagle1"]["feature"] = "pre_norm"  # a changed default in a section EAGLE-3 never reads
     unread = EagleRecipe(target="t", data={"path": "d"}).unread_fields()
-    assert unread == {"eagle1", "dflash"}
+    assert unread == {"eagle1", "dflash", "dspark", "peagle"}
     assert recipe_diff(old, current, schema=EagleRecipe, unread=unread) == []
     # without the schema and the unread sections, all three differences are reported
     assert len(recipe_diff(old, current)) == 3

@@ -47,6 +47,8 @@ EXPORT_FORMATS = {
     "eagle1": ("eagle1", "native"),
     "medusa": ("medusa", "native"),
     "blockwise": ("native",),
+    "dspark": ("native",),
+    "peagle": ("native",),
 }
 FORMAT_HOLDS = {
     "sglang": "sglang and vllm hold EAGLE-3 and DFlash drafters",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, block_label_mask, block_label_rows, sample_anchors
+from drafters.dspark import block_prev_ids
 from drafters.draft_vocab import DraftVocab
 from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.training.recipe import RecipeError
@@ -109,19 +110,24 @@ class BlockOutput:
 
 
 def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep, *,
-               gamma: float = 4.0, labels: str = "soft", return_logits: bool = False) -> BlockOutput:
+               gamma: float = 4.0, labels: str = "soft", return_logits: bool = False,
+               confidence_weight: float = 1.0) -> BlockOutput:
     """The DFlash objective on one batch: drafter.block_unroll's blocks, slot j = 1..Bk-1 scored against the
     target's row a+j-1 (drafters.dflash.block_label_rows / block_label_mask) and weighted w_j =
     exp(-(j-1) / gamma); loss = sum_j w_j sum CE_j / sum_j w_j count_j. target_logits (B, T, V) or
     drafters.losses.LabelLogits (read at label rows only). labels "soft": CE against the target distribution
     renormalised over the draft vocabulary; "argmax": CE against the target's argmax (one-hot). A label
     whose full-vocabulary target argmax is outside the draft vocabulary is not counted (as EAGLE-3).
+    DSpark (drafters.dspark): slot j's logits add the Markov bias of the true token a+j-1 (teacher forcing), and
+    a confidence head, if any, adds confidence_weight x sum_j w_j sum BCE_j / sum_j w_j count_j, its label the
+    probability that slot j's draft is accepted, 1 - TV(q_j, p_j) (detached; speculators' target).
     return_logits keeps every slot's logits (tests, evaluation)."""
     if labels not in LABELS:
         raise ValueError(f"labels={labels!r}: use one of {', '.join(LABELS)}")
     c, device = drafter.config, input_ids.device
     bk, seq_len = c.block_size, input_ids.shape[1]
     normed = drafter.block_unroll(features, input_ids, embed, anchors, keep)[:, :, 1:]  # (B, N, Bk-1, h)
+    prev = block_prev_ids(input_ids, anchors, bk)  # (B, N, Bk-1) the token before each slot's label
     rows = block_label_rows(anchors, bk)  # (B, N, Bk-1): target row a+j-1 labels slot j
     wanted = block_label_mask(anchors, keep, loss_mask, bk)  # (B, N, Bk-1)
     index, (target_p, argmax_draft) = supervised_block_targets(drafter, target_logits, rows, wanted, seq_len)
@@ -131,8 +137,8 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     weights = decay_weights(bk, gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
     counts = counted.sum(dim=(0, 1))  # (Bk-1,)
     total = (weights * counts).sum().clamp(min=1e-12)  # sum_j w_j count_j
-    fused = not return_logits and c.final_logit_softcapping is None
-    losses, accuracies, all_logits = [], [], []
+    fused = not return_logits and c.final_logit_softcapping is None and drafter.fused_loss
+    losses, accuracies, all_logits, confidence = [], [], [], []
     for j in range(bk - 1):  # slot j+1
         rows_j = index[:, :, j][counted[:, :, j]]  # (M_j,) into target_p / argmax_draft
         p, want = target_p[rows_j], argmax_draft[rows_j]  # (M_j, Vd), (M_j,)
@@ -141,11 +147,17 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
             loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted[:, :, j]], drafter.head, p, want,
                                                      num_positions=scale)
         else:
-            logits = drafter.compute_logits(normed[:, :, j])  # (B, N, Vd)
+            logits = drafter.slot_logits(normed[:, :, j], prev[:, :, j])  # (B, N, Vd)
             if return_logits:
                 all_logits.append(logits)
             ones = torch.ones_like(want, dtype=torch.bool)
-            loss, acc, _ = soft_cross_entropy(logits[counted[:, :, j]], p, ones, want, ones, num_positions=scale)
+            picked = logits[counted[:, :, j]]  # (M_j, Vd)
+            loss, acc, _ = soft_cross_entropy(picked, p, ones, want, ones, num_positions=scale)
+            if drafter.confidence_head is not None:
+                with torch.no_grad():  # P(accept a draft from q) = 1 - TV(q, p)
+                    accept = 1 - 0.5 * (torch.softmax(picked.float(), -1) - p).abs().sum(-1)
+                conf = drafter.confidence_logits(normed[:, :, j][counted[:, :, j]], prev[:, :, j][counted[:, :, j]])
+                confidence.append(F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="sum") / scale)
         losses.append(loss)
         accuracies.append(acc)
     step_losses = torch.stack(losses)  # (Bk-1,) weighted shares of the loss
@@ -155,7 +167,8 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     if return_logits:  # draft id of the target argmax where counted, else -1
         label_ids = torch.full_like(index, -1)
         label_ids[counted] = argmax_draft[index[counted]]
-    return BlockOutput(loss=step_losses.sum(), step_losses=mean_ce, step_accuracies=torch.stack(accuracies),
+    loss = step_losses.sum() + (confidence_weight * torch.stack(confidence).sum() if confidence else 0.0)
+    return BlockOutput(loss=loss, step_losses=mean_ce, step_accuracies=torch.stack(accuracies),
                        step_counts=counts, step_supervised=wanted.sum(dim=(0, 1)),
                        logits=torch.stack(all_logits, 2) if return_logits else None, labels=label_ids)
 
@@ -183,9 +196,9 @@ class DFlashObjective(nn.Module):
     buffer of this module, so accelerate's save_state / load_state carry it: a resumed run draws the
     anchors an uninterrupted run would."""
 
-    def __init__(self, drafter: DFlashDrafter, options: DFlashOptions, seed: int = 0):
+    def __init__(self, drafter: DFlashDrafter, options: DFlashOptions, seed: int = 0, confidence_weight: float = 1.0):
         super().__init__()
-        self.drafter, self.options = drafter, options
+        self.drafter, self.options, self.confidence_weight = drafter, options, confidence_weight
         self.register_buffer("anchor_generator", torch.Generator().manual_seed(seed).get_state())  # uint8
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> BlockOutput:
@@ -195,7 +208,7 @@ class DFlashObjective(nn.Module):
         self.anchor_generator.copy_(generator.get_state())
         o = self.options
         return block_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep,
-                          gamma=o.gamma, labels=o.labels)
+                          gamma=o.gamma, labels=o.labels, confidence_weight=self.confidence_weight)
 
 
 @torch.no_grad()

@@ -24,9 +24,11 @@ from drafters.eagle3 import (
     ttt_label_rows,
 )
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
-from drafters.losses import LabelLogits, draft_vocab_targets, soft_cross_entropy
+from drafters.losses import LabelLogits, draft_vocab_targets, soft_cross_entropy, supervised_targets
 from drafters.targets import Target, default_eagle3_layers
 from drafters.training.dflash import DFlashOptions, check_dflash
+from drafters.training.dspark import DSparkOptions, check_dspark
+from drafters.training.peagle import PEagleOptions, check_peagle
 from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1
 from drafters.training.loop import RunBase
 from drafters.training.metrics import StepMetrics
@@ -41,7 +43,7 @@ EAGLE3_ONLY = ("tv_weight", "init_layer", "eval_ttt_steps", *NORM_OPTIONS)
 
 @dataclass(kw_only=True)
 class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batches, steps, precision, ...
-    drafter: Literal["eagle3", "eagle1", "dflash"] = "eagle3"
+    drafter: Literal["eagle3", "eagle1", "dflash", "dspark", "peagle"] = "eagle3"
     output_dir: str = "outputs/eagle3"
     draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
     # set (0 < c <= 1): draft_vocab_size = the smallest vocabulary whose ids cover this fraction of the
@@ -64,12 +66,15 @@ class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batc
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_before_residual: bool = False
-    dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash only
+    dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash and dspark (its block)
+    dspark: DSparkOptions = field(default_factory=DSparkOptions)  # drafter: dspark only (its Markov head)
+    peagle: PEagleOptions = field(default_factory=PEagleOptions)  # drafter: peagle only
     eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
     def unread_fields(self) -> frozenset[str]:
-        own = {"eagle3": {"ttt_steps", "step_weight", *EAGLE3_ONLY}, "eagle1": {"eagle1"}, "dflash": {"dflash"}}
+        own = {"eagle3": {"ttt_steps", "step_weight", *EAGLE3_ONLY}, "eagle1": {"eagle1"}, "dflash": {"dflash"},
+               "dspark": {"dflash", "dspark"}, "peagle": {"peagle", *NORM_OPTIONS}}
         return frozenset(set().union(*own.values()) - own[self.drafter])
 
 
@@ -100,6 +105,14 @@ def eagle_problems(recipe: EagleRecipe) -> list[str]:
 
 def dflash_problems(recipe: EagleRecipe) -> list[str]:
     return eagle_problems(recipe) + check_dflash(recipe)
+
+
+def dspark_problems(recipe: EagleRecipe) -> list[str]:
+    return eagle_problems(recipe) + check_dflash(recipe) + check_dspark(recipe)
+
+
+def peagle_problems(recipe: EagleRecipe) -> list[str]:
+    return eagle_problems(recipe) + check_peagle(recipe)
 
 
 def eagle1_problems(recipe: EagleRecipe) -> list[str]:
@@ -219,22 +232,6 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
     weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
                      step_accuracies=step_accuracies, step_counts=step_counts, step_logits=step_logits)
-
-
-def supervised_targets(drafter: Eagle3Drafter, target_logits, loss_mask: Tensor
-                       ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """The target side of the loss, at the rows some TTT step scores: row r (label of step i at
-    t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
-    vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
-        rows (B, T) long: index of row r into the two tensors below, -1 where never scored
-        target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
-    needed = shift_left(loss_mask, 1).bool()  # (B, T): row r -> loss_mask[r+1]
-    target_p, in_vocab, argmax_draft = draft_vocab_targets(
-        target_logits[needed], drafter.t2d, drafter.config.draft_vocab_size)  # (N', Vd), (N',) x2
-    scored = torch.zeros_like(needed)
-    scored[needed] = in_vocab  # (B, T)
-    rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
-    return rows, (target_p[in_vocab], argmax_draft[in_vocab])
 
 
 class Eagle3Objective(nn.Module):

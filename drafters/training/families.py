@@ -21,13 +21,17 @@ from drafters.training.eagle3 import (
     choose_draft_vocab,
     eagle3_layer_spec,
     dflash_problems,
+    dspark_problems,
+    peagle_problems,
     eagle1_problems,
     eagle_problems,
     evaluate_eagle3,
     format_eval,
     target_inputs_fn,
 )
+from drafters.training.dspark import build_dspark
 from drafters.training.family import TrainingFamily
+from drafters.training.peagle import build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.training.heads import (
     HeadsRecipe,
@@ -54,6 +58,15 @@ TRAINING_FAMILIES: dict[str, TrainingFamily] = {
                              loss_parts="per block slot", draft_vocab=True, store_layout="eagle3",
                              layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
                              evaluate=evaluate_dflash, describe=format_dflash_eval),
+    # DSpark is DFlash plus its Markov head: DFlash's objective, evaluation and store
+    "dspark": TrainingFamily("dspark", **_EAGLE, problems=dspark_problems, build=build_dspark,
+                             loss_parts="per block slot", draft_vocab=True, store_layout="eagle3",
+                             layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
+                             evaluate=evaluate_dflash, describe=format_dflash_eval),
+    "peagle": TrainingFamily("peagle", **_EAGLE, problems=peagle_problems, build=build_peagle,
+                             loss_parts="per depth", draft_vocab=True, store_layout="eagle3",
+                             layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
+                             evaluate=evaluate_peagle, describe=format_peagle_eval),
     "eagle1": TrainingFamily("eagle1", **_EAGLE, problems=eagle1_problems, build=build_eagle1,
                              loss_parts="feature, token", store_layout="eagle1",
                              layer_spec=eagle1_layer_spec, inputs=eagle1_inputs_fn,

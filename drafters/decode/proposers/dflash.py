@@ -126,11 +126,11 @@ def dflash_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, 
 
 
 def dflash_proposer(config: DFlashConfig, state: dict, target, tree_spec: str | TreeSpec, where, *,
-                    seed: int = 0, head: Tensor | None = None) -> DFlashProposer:
+                    seed: int = 0, head: Tensor | None = None, family: str = "dflash") -> DFlashProposer:
     """config + state dict in DFlashDrafter names (native checkpoint or a read-back export). head (Vd, h):
     the export's own LM head rows if it has one (speculators' reduced-vocabulary saves), else the target's."""
     check_fits(config, target, where)
-    drafter: DFlashDrafter = build_drafter("dflash", config, state, where)
+    drafter: DFlashDrafter = build_drafter(family, config, state, where)  # dflash, or dspark (a subclass)
     drafter.attach_head(target.lm_head.weight)
     if head is not None:
         with torch.no_grad():

@@ -30,10 +30,12 @@ from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.files import dir_sha256
 from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
 from drafters.decode.proposers.draft_model import DraftModelProposer
+from drafters.decode.proposers.dspark import dspark_proposer_from_checkpoint
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
 from drafters.decode.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
 from drafters.decode.proposers.hybrid import HybridProposer
+from drafters.decode.proposers.peagle import peagle_proposer_from_checkpoint
 from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
 from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 
@@ -49,6 +51,8 @@ FAMILY_LOADERS: dict[str, Callable] = {
     "medusa": heads_proposer_from_checkpoint,
     "blockwise": heads_proposer_from_checkpoint,
     "dflash": dflash_proposer_from_checkpoint,
+    "dspark": dspark_proposer_from_checkpoint,
+    "peagle": peagle_proposer_from_checkpoint,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before. EAGLE-3
