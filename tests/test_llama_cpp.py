@@ -1,4 +1,4 @@
-"""llama.cpp loads our EAGLE-3 and DFlash drafters and referees them: the export converts with llama.cpp's own
+"""llama.cpp loads our EAGLE-3, DFlash and DSpark drafters and referees them: the export converts with llama.cpp's own
 converter, llama-server serves it next to the target, its greedy output with the drafter equals its own plain
 decoding, and on the same prompt ids and the same greedy text its accepted counts equal our decoder's chain
 acceptance exactly (drafters/decode/referee.py says why exact is the right tolerance there).
@@ -27,6 +27,7 @@ from drafters.decode.referee import parting, referee
 from drafters.decode.tree import parse_tree_spec
 from drafters.dflash import DFlashConfig, DFlashDrafter, sample_anchors
 from drafters.draft_vocab import build_draft_vocab
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.engines import llama_cpp
 from drafters.engines.llama_cpp import LlamaCppError, LlamaServer, check_pair, gguf_facts
@@ -137,6 +138,22 @@ def train_dflash(target, rows, steps, lr=3e-3) -> DFlashDrafter:
     return fit(drafter, target, rows, steps, loss, lr)
 
 
+def train_dspark(target, rows, steps, draft_vocab=512, lr=3e-3) -> DSparkDrafter:
+    # a reduced vocabulary (llama.cpp's DSpark converter maps d2t) and the confidence head (its conf_proj)
+    vocab = build_draft_vocab(rows, target.vocab_size, draft_vocab)
+    config = DSparkConfig.from_target_config(target.config, draft_vocab, mask_token_id=0, num_layers=1,
+                                             block_size=BLOCK, markov_rank=16, confidence_head=True)
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(config, vocab).attach_head(target.lm_head.weight)
+    generator = torch.Generator().manual_seed(0)
+
+    def loss(d, features, ids, logits, mask):
+        anchors, keep = sample_anchors(mask, 16, generator)
+        return block_loss(d, features, ids, logits, mask, target.embed_tokens, anchors, keep, gamma=4.0).loss
+
+    return fit(drafter, target, rows, steps, loss, lr)
+
+
 def checkpoint(path, family, drafter, target):
     save_checkpoint(path, family=family, config=asdict(drafter.config), target=target_info(target),
                     state_dict=drafter.state_dict(), extra={"step": 1})
@@ -157,7 +174,9 @@ def drafters_for_tiny(tiny, tmp_path_factory):
     drafters = trained_drafters(tiny, root, 150, 150)
     # the two norm options llama.cpp converts and runs (docs/conventions.md): it must apply them as we do
     norms = train_eagle3(tiny, continuations(tiny), 150, norm_before_fc=True, norm_before_residual=True)
-    return {**drafters, "eagle3-norms": checkpoint(root / "eagle3-norms", "eagle3", norms, tiny)}
+    dspark = train_dspark(tiny, continuations(tiny), 150)
+    return {**drafters, "eagle3-norms": checkpoint(root / "eagle3-norms", "eagle3", norms, tiny),
+            "dspark": checkpoint(root / "dspark", "dspark", dspark, tiny)}
 
 
 def export(ckpt, target, out, dtype="f32"):
@@ -195,12 +214,14 @@ def serve_and_referee(target, target_file, export_dir, ckpt, *, tie=TIE["f32"], 
     return results
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash", "eagle3-norms"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "eagle3-norms", "dspark"])
 def test_tiny_target_serves_our_drafter_and_agrees(family, tiny, drafters_for_tiny, cache, tmp_path):
     target_file = target_gguf(tiny, "f32", cache_dir=cache)
     result = export(drafters_for_tiny[family], tiny, tmp_path / "gguf")
     facts = gguf_facts(tmp_path / "gguf" / "drafter-f32.gguf")
-    assert facts.architecture == family.split("-")[0]
+    assert facts.architecture == {"dspark": "dflash"}.get(family, family.split("-")[0])  # DSpark: dflash + markov
+    if family == "dspark":  # what makes llama.cpp draft it slot by slot, and its confidence head
+        assert {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "d2t"} <= set(facts.tensors)
     assert list(facts.target_layers) == json.loads((drafters_for_tiny[family] / "drafter.json").read_text())[
         "config"]["aux_layers"]
     assert result.check.fc_max_abs_diff == 0.0

@@ -1,4 +1,4 @@
-"""Export a DFlash drafter for SGLang and vLLM speculators, and read such exports back independently.
+"""Export a DFlash or DSpark drafter for SGLang and vLLM speculators, and read such exports back independently.
 
     python eval/export.py outputs/dflash_smollm2/checkpoint-final --format sglang --out exports/dflash-sglang
     python eval/export.py outputs/dflash_smollm2/checkpoint-final --format vllm --out exports/dflash-vllm \
@@ -20,6 +20,13 @@ vllm    speculators' `dflash` (vLLM reads it through its speculators config tran
         draft vocabulary, so --target is needed) when the vocabulary is reduced; none of the three with the
         full vocabulary (speculators then takes the verifier's head). No embedding (the verifier's).
 
+dspark  (a DSpark checkpoint, --format vllm only: SGLang has no DSpark drafter) speculators' `dspark`, which
+        llama.cpp's converter also reads (DSparkDraftModel): the vllm DFlash layout with speculators_model_type
+        dspark, architectures ["DSparkDraftModel"], markov_rank, markov_head_type, enable_confidence_head,
+        confidence_head_with_markov true, sample_from_anchor false (slot j drafts token a+j, as DFlash's), and
+        the tensors markov_head.markov_w1.weight (V, R), markov_head.markov_w2.weight (Vd, R) and, with the
+        confidence head, confidence_head.proj.{weight (1, h+R), bias (1,)}.
+
 Layer ids (docs/conventions.md): inside this project HF hidden_states indices. speculators'
 aux_hidden_state_layer_ids are the same numbers (vLLM maps them to dflash_config.target_layer_ids =
 id - 1); SGLang's and the reference's dflash_config.target_layer_ids are "output of layer" ids: HF index - 1
@@ -38,6 +45,7 @@ import torch
 
 from drafters.checkpoint import Checkpoint
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
                                      read_tensors)
@@ -98,10 +106,11 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConfig]:
     """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
     expected = export_target(ckpt, target)
+    cls = DSparkConfig if ckpt.family == "dspark" else DFlashConfig
     try:
-        c = DFlashConfig(**ckpt.config)
-    except TypeError as err:
-        raise ExportError(f"{ckpt.path}: config is not a DFlashConfig ({err})") from None
+        c = cls(**ckpt.config)
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"{ckpt.path}: config is not a {cls.__name__} ({err})") from None
     problems = [f"{key}: drafter config {getattr(c, key)} != target {expected.get(key)} ({expected.get('name')!r})"
                 for key in ("hidden_size", "vocab_size", "max_position_embeddings")
                 if getattr(c, key) != expected.get(key)]
@@ -117,7 +126,10 @@ def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConf
         problems.append(f"final_logit_softcapping {c.final_logit_softcapping}: neither engine's DFlash head applies "
                         "the target's logit softcap")
     full = c.draft_vocab_size == c.vocab_size
-    if fmt == "sglang" and not full:
+    if fmt == "sglang" and isinstance(c, DSparkConfig):
+        problems.append("SGLang has no DSpark drafter (its DFlashDraftModel would drop the Markov head and draft "
+                        "independent slots); export --format vllm (speculators' dspark, which llama.cpp converts)")
+    elif fmt == "sglang" and not full:
         problems.append(f"draft_vocab_size {c.draft_vocab_size} < the target's {c.vocab_size}: SGLang's DFlash drafter "
                         "scores every target id with the target's head, ids this drafter never learnt to rank "
                         "included; retrain with draft_vocab_size equal to the target's vocabulary, or export --format "
@@ -127,7 +139,8 @@ def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConf
     try:
         DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path), draft_vocab_size=c.draft_vocab_size,
                                    target_vocab_size=c.vocab_size)
-        DFlashDrafter(c).load_state_dict(ckpt.state_dict, strict=True)
+        (DSparkDrafter if isinstance(c, DSparkConfig) else DFlashDrafter)(c).load_state_dict(ckpt.state_dict,
+                                                                                             strict=True)
     except (DraftVocabError, RuntimeError) as err:
         problems.append(f"the state dict does not fit its config: {err}")
     if problems:
@@ -176,9 +189,15 @@ def sglang_config(c: DFlashConfig, target_layers: int, dtype: str) -> dict:
 
 def vllm_config(c: DFlashConfig, dtype: str, speculative_tokens: int, verifier: str,
                 verifier_architectures: list[str]) -> dict:
+    algorithm = "dspark" if isinstance(c, DSparkConfig) else "dflash"
+    markov = {} if algorithm == "dflash" else {
+        "markov_rank": c.markov_rank, "markov_head_type": c.markov_head_type,
+        "enable_confidence_head": c.confidence_head,
+        "confidence_head_with_markov": True,  # proj reads [normed ; W1[prev]] (llama.cpp's only form)
+    }
     return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DSparkDraftModel" if markov else "DFlashSpeculator"],
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": qwen3_layer_fields(c, dtype),
         "draft_vocab_size": c.draft_vocab_size,
@@ -186,9 +205,11 @@ def vllm_config(c: DFlashConfig, dtype: str, speculative_tokens: int, verifier: 
         "target_hidden_size": c.hidden_size,
         "aux_hidden_state_layer_ids": list(c.aux_layers),  # HF indices; vLLM writes target_layer_ids = id - 1
         "mask_token_id": c.mask_token_id,
-        "sample_from_anchor": False,  # slot 0 holds the anchor and predicts nothing (DSpark's is True)
+        "sample_from_anchor": False,  # slot 0 holds the anchor and predicts nothing (speculators' DSpark default
+        # is True; llama.cpp reads the flag, and drafts block_size - 1 tokens with it False)
+        **markov,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -210,6 +231,7 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
         raise ExportCheckError(f"unknown DFlash export format {fmt!r}: sglang or vllm")
     where = str(path / CONFIG_FILE)
     config = read_json(path / CONFIG_FILE)
+    algorithm, markov = "dflash", None
     if fmt == "sglang":
         get_field(config, "architectures", list, where, equals=["DFlashDraftModel"])
         layer, dflash = config, get_field(config, "dflash_config", dict, where)
@@ -227,10 +249,20 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
             raise ExportCheckError(f"{where}: num_target_layers {config['num_target_layers']} but the target has "
                                    f"{target['num_layers']}")
     else:
-        if get_field(config, "architectures", list, where) not in (["DFlashSpeculator"], ["DFlashDraftModel"]):
-            raise ExportCheckError(f"{where}: architectures {config['architectures']}, want ['DFlashSpeculator'] or "
-                                   "['DFlashDraftModel']")
-        get_field(config, "speculators_model_type", str, where, equals="dflash")
+        algorithm = get_field(config, "speculators_model_type", str, where)
+        if algorithm not in ("dflash", "dspark"):
+            raise ExportCheckError(f"{where}: speculators_model_type {algorithm!r}, want 'dflash' or 'dspark'")
+        archs = (["DFlashSpeculator"], ["DFlashDraftModel"]) if algorithm == "dflash" else \
+            (["DSparkDraftModel"], ["DSparkSpeculator"])
+        if get_field(config, "architectures", list, where) not in archs:
+            raise ExportCheckError(f"{where}: architectures {config['architectures']}, want one of {list(archs)}")
+        if algorithm == "dspark":
+            markov = {"markov_rank": get_field(config, "markov_rank", int, where),
+                      "markov_head_type": get_field(config, "markov_head_type", str, where),
+                      "confidence_head": get_field(config, "enable_confidence_head", bool, where)}
+            if markov["confidence_head"] and config.get("confidence_head_with_markov", True) is not True:
+                raise ExportCheckError(f"{where}: confidence_head_with_markov false: this drafter's confidence head "
+                                       "reads [normed ; W1[prev]] (llama.cpp's only form)")
         get_field(config, "speculators_version", str, where)
         geometry = _qwen3_layers(get_field(config, "transformer_layer_config", dict, where),
                                  f"{where} transformer_layer_config")
@@ -248,7 +280,7 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
         if config.get("target_hidden_size") is not None:
             get_field(config, "target_hidden_size", int, where, equals=geometry["hidden_size"])
         spec = get_field(config, "speculators_config", dict, where)
-        get_field(spec, "algorithm", str, f"{where} speculators_config", equals="dflash")
+        get_field(spec, "algorithm", str, f"{where} speculators_config", equals=algorithm)
         methods = get_field(spec, "proposal_methods", list, f"{where} speculators_config")
         if not methods or not all(isinstance(m, dict) and isinstance(m.get("speculative_tokens"), int)
                                   and 1 <= m["speculative_tokens"] <= block - 1 for m in methods):
@@ -269,8 +301,13 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
         if not all(1 <= i <= target["num_layers"] - 1 for i in aux):
             raise ExportCheckError(f"{where}: aux layers (HF indices) {aux} outside [1, {target['num_layers'] - 1}] "
                                    f"for the {target['num_layers']}-layer target")
-    c = DFlashConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
-                     aux_layers=aux)
+    try:
+        c = DFlashConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
+                         aux_layers=aux) if markov is None else \
+            DSparkConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
+                         aux_layers=aux, **markov)
+    except ValueError as err:
+        raise ExportCheckError(f"{where}: {err}") from None
     tensors = read_tensors(path / WEIGHTS_FILE)
     head, dtype = _check_dflash_tensors(tensors, c, config_dtype, fmt, path / WEIGHTS_FILE)
     if "d2t" not in tensors:  # full vocabulary: draft id i = target id i
@@ -332,6 +369,11 @@ def dflash_shapes(c: DFlashConfig, fmt: str) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+    if isinstance(c, DSparkConfig):
+        shapes |= {"markov_head.markov_w1.weight": (c.vocab_size, c.markov_rank),  # keyed on target ids
+                   "markov_head.markov_w2.weight": (c.draft_vocab_size, c.markov_rank)}
+        if c.confidence_head:
+            shapes |= {"confidence_head.proj.weight": (1, h + c.markov_rank), "confidence_head.proj.bias": (1,)}
     if fmt == "vllm" and c.draft_vocab_size != c.vocab_size:
         shapes |= {"lm_head.weight": (c.draft_vocab_size, h), "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
     return shapes
@@ -342,7 +384,7 @@ def _check_dflash_tensors(tensors: dict, c: DFlashConfig, config_dtype, fmt: str
     shapes = dflash_shapes(c, fmt)
     missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
     if missing or unexpected:
-        raise ExportCheckError(f"{where}: tensor names do not match the {fmt} DFlash layout: missing {missing}, "
+        raise ExportCheckError(f"{where}: tensor names do not match the {fmt} {type(c).__name__[:-6]} layout: missing {missing}, "
                                f"unexpected {unexpected}")
     wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
     if wrong:
@@ -380,7 +422,7 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
         if not torch.equal(head, want):
             raise ExportCheckError(f"{path}: lm_head.weight is not the target's LM head rows of the draft vocabulary")
     if reference is not None:
-        source = DFlashConfig(**reference.config)
+        source = type(c)(**reference.config)
         if asdict(source) != asdict(c):
             wrong = {k: (v, getattr(c, k)) for k, v in asdict(source).items() if getattr(c, k) != v}
             raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
@@ -396,13 +438,13 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
             raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives draft logits up to {diff:.3g} "
                                    "away from the source checkpoint's (atol 1e-5)")
         diffs = (diff, (got - unrounded).abs().max().item())
-    return CheckReport(path, fmt, "dflash", c.aux_layers, written, str(dtype), len(state), *diffs)
+    return CheckReport(path, fmt, "dspark" if isinstance(c, DSparkConfig) else "dflash", c.aux_layers, written, str(dtype), len(state), *diffs)
 
 
 def _rebuild(c: DFlashConfig, state: dict, where: Path) -> DFlashDrafter:
     try:
         vocab = DraftVocab.from_state_dict(state, source=str(where))
-        drafter = DFlashDrafter(c, vocab)
+        drafter = (DSparkDrafter if isinstance(c, DSparkConfig) else DFlashDrafter)(c, vocab)
         drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     except (DraftVocabError, RuntimeError, ValueError) as err:
         raise ExportCheckError(f"{where}: the tensors do not load into a DFlashDrafter: {err}") from None
@@ -422,4 +464,11 @@ def _draft_logits(drafter: DFlashDrafter, seed: int, context: int = 7) -> torch.
     cache = DFlashCache()
     drafter.extend_context(features, cache)
     pending = torch.randint(0, c.vocab_size, (1,), generator=gen)
-    return drafter.draft(pending, embed, cache)[1][0]
+    normed, logits = drafter.draft(pending, embed, cache)
+    if not isinstance(drafter, DSparkDrafter):
+        return logits[0]
+    prev = torch.randint(0, c.vocab_size, (c.block_size - 1,), generator=gen)  # random tokens before each slot
+    slots = drafter.slot_logits(normed[0, 1:], prev)  # (Bk-1, Vd) with the Markov bias
+    if drafter.confidence_head is None:
+        return slots
+    return torch.cat([slots, drafter.confidence_logits(normed[0, 1:], prev)[:, None]], 1)  # + confidence

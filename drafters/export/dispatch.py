@@ -47,18 +47,19 @@ EXPORT_FORMATS = {
     "eagle1": ("eagle1", "native"),
     "medusa": ("medusa", "native"),
     "blockwise": ("native",),
-    "dspark": ("native",),
+    "dspark": ("vllm", "llama.cpp", "native"),  # speculators' dspark layout (drafters.export.dflash)
     "peagle": ("native",),
 }
 FORMAT_HOLDS = {
     "sglang": "sglang and vllm hold EAGLE-3 and DFlash drafters",
     "vllm": "sglang and vllm hold EAGLE-3 and DFlash drafters",
-    "llama.cpp": "llama.cpp serves EAGLE-3 and DFlash drafters (--spec-type draft-eagle3 / draft-dflash)",
+    "llama.cpp": "llama.cpp serves EAGLE-3, DFlash and DSpark drafters (--spec-type draft-eagle3 / draft-dflash / "
+                 "draft-dspark)",
     "medusa": "the Medusa layout holds Medusa heads only; Blockwise heads share one hidden layer d -> K*f -> K*d "
               "across heads, which no Medusa loader builds",
     "eagle1": "the official EAGLE-1 layout holds EAGLE-1 drafters only",
 }
-WRITERS = {"dflash": export_dflash}  # a family whose sglang / vllm layouts are its own, not EAGLE-3's
+WRITERS = {"dflash": export_dflash, "dspark": export_dflash}  # a family whose sglang / vllm layouts are its own, not EAGLE-3's
 
 
 def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",

@@ -1,4 +1,4 @@
-"""Export an EAGLE-3 or DFlash drafter as a GGUF file llama.cpp serves, and the target's GGUF beside it.
+"""Export an EAGLE-3, DFlash or DSpark drafter as a GGUF file llama.cpp serves, and the target's GGUF beside it.
 
     python eval/export.py CKPT --format llama.cpp --target smollm2-135m-instruct --dtype f32 --out DIR
 
@@ -13,6 +13,11 @@ user would get by converting our sglang / vllm export themselves:
   layout nests "output of layer" ids (HF - 1) in eagle_config, which this converter never reads.
 - DFlash goes through the sglang layout (the converter rejects speculators' DFlashSpeculator):
   dflash_config.target_layer_ids are HF - 1 there and the converter adds 1 back.
+- DSpark goes through the vllm layout (speculators' dspark, architectures DSparkDraftModel): the converter's
+  DSpark class reads aux_hidden_state_layer_ids (HF indices, written as target_layer_ids = id - 1, then + 1
+  again in the GGUF), sample_from_anchor false (slot j drafts token a+j: block_size - 1 drafts), the Markov and
+  confidence tensors, and maps a reduced vocabulary (d2t, the draft lm_head). GGUF architecture: dflash, with
+  markov_w1 (which makes llama.cpp draft it as draft-dspark).
 - The converter takes the tokenizer and the target's config from --target-model-dir: written here from
   the loaded target (config.json + tokenizer files), so any target the project loads works.
 
@@ -59,7 +64,10 @@ LLAMA_CPP_FAMILIES = {
     "eagle3": LlamaCppFamily("vllm", "draft-eagle3", lambda config: 3, maps_draft_vocab=True),
     "dflash": LlamaCppFamily("sglang", "draft-dflash", lambda config: int(config["block_size"]) - 1,
                              maps_draft_vocab=False),
+    "dspark": LlamaCppFamily("vllm", "draft-dspark", lambda config: int(config["block_size"]) - 1,
+                             maps_draft_vocab=True),
 }
+GGUF_ARCHITECTURES = {"dspark": "dflash"}  # the converter writes the family's name, DSpark's as DFlash's
 SPEC_TYPES = {name: family.spec_type for name, family in LLAMA_CPP_FAMILIES.items()}
 
 
@@ -81,8 +89,9 @@ def refusals(family: str, config: dict, target) -> list[str]:
     """What llama.cpp cannot run, as sentences (empty: it can). target: a drafters Target."""
     problems = []
     if family not in SPEC_TYPES:
-        problems.append(f"llama.cpp has no {family} speculator: it serves EAGLE-3 and DFlash drafters "
-                        "(--spec-type draft-eagle3 / draft-dflash); export this checkpoint with --format native")
+        problems.append(f"llama.cpp has no {family} speculator: it serves EAGLE-3, DFlash and DSpark drafters "
+                        "(--spec-type draft-eagle3 / draft-dflash / draft-dspark); export this checkpoint with "
+                        "--format native" + (" or vllm" if family == "peagle" else ""))
         return problems
     problems += _gemma3(target)
     act = config.get("hidden_act", "silu")
@@ -175,13 +184,15 @@ def check_gguf(path: Path, ckpt, outtype: str) -> GGUFCheck:
     """Read the converted drafter back: what llama.cpp will capture and draft over must be the checkpoint's."""
     facts = gguf_facts(path)
     c = ckpt.config
-    # general.architecture the converter writes is the family's name: eagle3 / dflash
-    expected = {"architecture": ckpt.family, "target_layers": tuple(c["aux_layers"]),
+    # general.architecture the converter writes is the family's name: eagle3 / dflash (DSpark's too)
+    expected = {"architecture": GGUF_ARCHITECTURES.get(ckpt.family, ckpt.family), "target_layers": tuple(c["aux_layers"]),
                 "vocab_size": c["vocab_size"], "embedding_length": c["hidden_size"]}
     wrong = [f"{k}: GGUF {getattr(facts, k)!r}, checkpoint {v!r}" for k, v in expected.items()
              if getattr(facts, k) != v]
     if "fc.weight" not in facts.tensors:
         wrong.append("no fc.weight tensor")
+    if ckpt.family == "dspark" and "markov_w1.weight" not in facts.tensors:
+        wrong.append("no markov_w1.weight tensor: llama.cpp would draft it as plain DFlash")
     if wrong:
         raise ExportError(f"llama.cpp's converter wrote {path.name}, but it does not match {ckpt.path}:\n  - "
                           + "\n  - ".join(wrong))

@@ -81,3 +81,13 @@ def dspark_proposer(config, state: dict, target, tree_spec, where, *, seed: int 
     """config + state dict in DSparkDrafter names (native checkpoint or a read-back export)."""
     base = dflash_proposer(config, state, target, tree_spec, where, seed=seed, head=head, family="dspark")
     return DSparkProposer(base.drafter, base.embed, base.tree, seed=seed, conf_min=conf_min)
+
+
+def dspark_export_loader(path, config: dict, target, tree_spec) -> DSparkProposer:
+    """A vllm (speculators' dspark) export, ours or another trainer's, read and validated by the independent
+    export reader (drafters.export.dflash); layer ids come back as HF indices."""
+    from drafters.checkpoint import target_info
+    from drafters.export.dflash import read_dflash_export
+
+    dspark_config, state, head, _, _ = read_dflash_export(path, "vllm", target=target_info(target))
+    return dspark_proposer(dspark_config, state, target, tree_spec, path, head=head)

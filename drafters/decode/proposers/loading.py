@@ -30,7 +30,7 @@ from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.files import dir_sha256
 from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
 from drafters.decode.proposers.draft_model import DraftModelProposer
-from drafters.decode.proposers.dspark import dspark_proposer_from_checkpoint
+from drafters.decode.proposers.dspark import dspark_export_loader, dspark_proposer_from_checkpoint
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
 from drafters.decode.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
@@ -63,6 +63,7 @@ CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
     "sglang-dflash": (lambda c: c.get("architectures") == ["DFlashDraftModel"] and "dflash_config" in c,
                       dflash_export_loader("sglang")),
     "vllm-dflash": (lambda c: c.get("speculators_model_type") == "dflash", dflash_export_loader("vllm")),
+    "vllm-dspark": (lambda c: c.get("speculators_model_type") == "dspark", dspark_export_loader),
     "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
     # the EAGLE repository's configs may leave `bias` out (its loader then builds fc with one)
     "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("architectures") in (
