@@ -294,6 +294,8 @@ class DFlashDrafter(nn.Module):
         # them), filled by attach_head; compute_logits refuses to run before.
         self.register_buffer("head", torch.zeros(c.draft_vocab_size, c.hidden_size), persistent=False)
         self.head_attached = False
+        self.confidence_head = None  # DSpark's optional head (drafters.dspark); an attribute, not a class default
+        # (a class attribute would hide the submodule nn.Module registers)
 
     set_draft_vocab = Eagle3Drafter.set_draft_vocab  # d2t / t2d from a DraftVocab, shapes checked
     draft_vocab = Eagle3Drafter.draft_vocab
@@ -330,7 +332,6 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     fused_loss = True  # the loss may fuse the frozen head into its cross-entropy (no logits kept)
-    confidence_head = None  # DSpark's optional head (drafters.dspark)
 
     def slot_logits(self, normed: Tensor, prev: Tensor | None) -> Tensor:
         """-> (..., Vd) a slot's logits; DFlash's slots ignore the token before them (DSpark's do not)."""

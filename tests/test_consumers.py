@@ -1,7 +1,7 @@
 """Our exports read by the code that consumes them (eval/check_consumers.py): speculators 0.9
-loads the vllm export and reproduces our logits, a drafter speculators saved drafts the same
-chain here, SGLang's config handling and weight-name mapping cover the sglang export. Each check
-has a control with a planted fault that it must catch.
+loads the vllm export and reproduces our logits (EAGLE-3, DSpark, P-EAGLE), a drafter speculators
+saved drafts the same chain here, SGLang's config handling and weight-name mapping cover the sglang
+export. Each check has a control with a planted fault that it must catch.
 
 The consumers live in their own virtual environment (speculators pins transformers <= 5.19):
     bash .ci/consumers-venv                      # about 4 minutes on a 2-core CPU machine
@@ -61,6 +61,68 @@ def test_control_speculators_sees_a_wrong_residual(tiny, tmp_path):
 
     result, _ = run("vllm->speculators", tiny, tmp_path, corrupt=norm_before_residual)
     assert result["max_abs_logit_diff"] > 100 * check.TOLERANCE
+
+
+def edit_config(**fields):
+    def edit(export):
+        config = {**json.loads((export / "config.json").read_text()), **fields}
+        (export / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return edit
+
+
+def edit_tensors(change):
+    def edit(export):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(export / "model.safetensors")
+        change(tensors)
+        save_file(tensors, export / "model.safetensors")
+    return edit
+
+
+def test_speculators_reproduces_our_dspark_export(tiny, tmp_path):
+    result, failures = run("dspark->speculators", tiny, tmp_path)
+    assert failures == [] and result["max_abs_logit_diff"] <= check.TOLERANCE
+    assert result["max_abs_confidence_diff"] <= check.TOLERANCE and len(result["max_abs_logit_diff_per_slot"]) == 3
+    read = result["speculators_read"]
+    assert (read["markov_rank"], read["sample_from_anchor"], read["enable_confidence_head"]) == (8, False, True)
+    assert read["aux_hidden_state_layer_ids"] == [2, 4, 5] and read["draft_vocab_size"] == 64  # HF indices
+
+
+@pytest.mark.parametrize("fault", [
+    # speculators' DSpark default is True: the Markov bias of slot j would key on token a+j, not a+j-1
+    edit_config(sample_from_anchor=None),
+    edit_tensors(lambda t: t["markov_head.markov_w2.weight"].zero_()),  # the bias gone: DFlash's logits
+], ids=["sample_from_anchor missing", "markov_w2 zeroed"])
+def test_control_speculators_sees_a_wrong_dspark_markov_bias(tiny, tmp_path, fault):
+    result, failures = run("dspark->speculators", tiny, tmp_path, corrupt=fault)
+    assert result["max_abs_logit_diff"] > 100 * check.TOLERANCE and failures
+
+
+def test_speculators_reproduces_our_peagle_export(tiny, tmp_path):
+    result, failures = run("peagle->speculators", tiny, tmp_path)
+    assert failures == [] and result["max_abs_logit_diff"] <= check.TOLERANCE
+    assert len(result["max_abs_logit_diff_per_depth"]) == check.DEPTH  # one pass drafts K tokens
+    read = result["speculators_read"]
+    assert read["mask_hidden_loaded"] and read["mask_token_id"] == check.MASK_TOKEN_ID
+    assert read["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and read["speculative_tokens"] == [check.DEPTH]
+
+
+@pytest.mark.parametrize("norms", [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_residual": True}],
+                         ids=lambda n: next(iter(n)))
+def test_speculators_applies_our_peagle_norm_options_as_we_do(tiny, tmp_path, norms):
+    result = check.check_peagle_export(tiny, tmp_path, VENV, norms=norms)
+    assert result["max_abs_logit_diff"] <= check.TOLERANCE, result["max_abs_logit_diff_per_depth"]
+    assert result["field_differences"] == [] and all(result["speculators_read"][k] for k in norms)
+
+
+@pytest.mark.parametrize("fault", [
+    edit_config(norm_before_residual=True),  # vLLM's default when the field is missing
+    edit_tensors(lambda t: t.pop("mask_hidden")),  # speculators keeps its random init, silently
+], ids=["norm_before_residual", "mask_hidden missing"])
+def test_control_speculators_sees_a_wrong_peagle_export(tiny, tmp_path, fault):
+    result, failures = run("peagle->speculators", tiny, tmp_path, corrupt=fault)
+    assert result["max_abs_logit_diff"] > 100 * check.TOLERANCE and failures
 
 
 def test_a_drafter_speculators_saved_drafts_the_same_chain_here(tiny, tmp_path):

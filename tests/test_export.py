@@ -228,10 +228,11 @@ def test_refuses_other_family_for_engine_formats(tmp_path, target):
     medusa = save_checkpoint(tmp_path / "medusa", family="medusa", config={"num_heads": 2},
                              target=target_info(target),
                              state_dict={"heads.0.weight": torch.ones(2, 2)})
+    holds = {"sglang": "sglang holds EAGLE-3 and DFlash drafters",
+             "vllm": "vllm holds EAGLE-3, DFlash, DSpark and P-EAGLE drafters"}
     for fmt in ("sglang", "vllm"):
         with pytest.raises(ExportError, match=f"export of a medusa checkpoint to {fmt} is not "
-                                              r"supported \(sglang and vllm hold EAGLE-3 and DFlash drafters\); "
-                                              "use --format medusa or native"):
+                                              rf"supported \({holds[fmt]}\); use --format medusa or native"):
             export_checkpoint(medusa, fmt, tmp_path / "out")
     assert_nothing_written(tmp_path, tmp_path / "out")
     copy = export_checkpoint(medusa, "native", tmp_path / "out").path  # native copies any family

@@ -12,7 +12,9 @@
 llama.cpp  a GGUF drafter for llama.cpp (--spec-type draft-eagle3 / draft-dflash), written by llama.cpp's own
            converter and read back (drafters.export.llama_cpp); EAGLE-3 and DFlash checkpoints
 A dflash checkpoint exports to sglang (SGLang's DFlashDraftModel) and vllm (speculators' `dflash`) in the
-DFlash layouts instead (writer and independent reader: drafters.export.dflash).
+DFlash layouts instead (writer and independent reader: drafters.export.dflash); a dspark checkpoint to vllm
+(speculators' `dspark`, also what llama.cpp's converter reads) and llama.cpp; a peagle checkpoint to vllm
+(speculators' `peagle`: drafters.export.peagle).
 
 
 Knows nothing about training, targets' weights or decoding. Every format refuses, before anything
@@ -37,6 +39,7 @@ from drafters.export.eagle1 import export_eagle1
 from drafters.export.eagle3 import preflight, write_eagle3
 from drafters.export.llama_cpp import export_llama_cpp
 from drafters.export.medusa import export_medusa
+from drafters.export.peagle import export_peagle
 
 FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp")
 # The export layer's family table (keyed as drafters.registry.FAMILIES, tests/test_families.py): the formats each
@@ -48,18 +51,18 @@ EXPORT_FORMATS = {
     "medusa": ("medusa", "native"),
     "blockwise": ("native",),
     "dspark": ("vllm", "llama.cpp", "native"),  # speculators' dspark layout (drafters.export.dflash)
-    "peagle": ("native",),
+    "peagle": ("vllm", "native"),  # speculators' peagle layout (drafters.export.peagle)
 }
 FORMAT_HOLDS = {
-    "sglang": "sglang and vllm hold EAGLE-3 and DFlash drafters",
-    "vllm": "sglang and vllm hold EAGLE-3 and DFlash drafters",
+    "sglang": "sglang holds EAGLE-3 and DFlash drafters",
+    "vllm": "vllm holds EAGLE-3, DFlash, DSpark and P-EAGLE drafters",
     "llama.cpp": "llama.cpp serves EAGLE-3, DFlash and DSpark drafters (--spec-type draft-eagle3 / draft-dflash / "
                  "draft-dspark)",
     "medusa": "the Medusa layout holds Medusa heads only; Blockwise heads share one hidden layer d -> K*f -> K*d "
               "across heads, which no Medusa loader builds",
     "eagle1": "the official EAGLE-1 layout holds EAGLE-1 drafters only",
 }
-WRITERS = {"dflash": export_dflash, "dspark": export_dflash}  # a family whose sglang / vllm layouts are its own, not EAGLE-3's
+WRITERS = {"dflash": export_dflash, "dspark": export_dflash, "peagle": export_peagle}  # a family whose sglang / vllm layouts are its own, not EAGLE-3's
 
 
 def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",

@@ -44,6 +44,8 @@ class DSparkProposer(DFlashProposer):
         normed, base = normed[0, 1:], base[0]  # (B-1, h), (B-1, Vd): slot d's outputs, base logits
         if self.conf_min:
             depth = self._confident_depth(normed, base, pending, depth)
+            if depth == 0:  # not even the first slot is confident: verify the root alone (a plain step)
+                return Tree(torch.tensor([pending]), torch.tensor([-1]))
         return build_tree(self.tree, pending, lambda _, draws: self._markov_expander(base, sampling, draws),
                           sampled=not sampling.greedy, chain_depth=depth)
 

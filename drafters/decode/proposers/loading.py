@@ -35,7 +35,7 @@ from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
 from drafters.decode.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
 from drafters.decode.proposers.hybrid import HybridProposer
-from drafters.decode.proposers.peagle import peagle_proposer_from_checkpoint
+from drafters.decode.proposers.peagle import peagle_export_loader, peagle_proposer_from_checkpoint
 from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
 from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 
@@ -64,6 +64,7 @@ CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
                       dflash_export_loader("sglang")),
     "vllm-dflash": (lambda c: c.get("speculators_model_type") == "dflash", dflash_export_loader("vllm")),
     "vllm-dspark": (lambda c: c.get("speculators_model_type") == "dspark", dspark_export_loader),
+    "vllm-peagle": (lambda c: c.get("speculators_model_type") == "peagle", peagle_export_loader),
     "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
     # the EAGLE repository's configs may leave `bias` out (its loader then builds fc with one)
     "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("architectures") in (

@@ -67,3 +67,18 @@ def peagle_proposer(config: PEagleConfig, state: dict, target, tree_spec, where,
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
     return PEagleProposer(drafter, target.embed_tokens, tree, seed=seed)
+
+
+def peagle_export_loader(path, config: dict, target, tree_spec) -> PEagleProposer:
+    """A vllm (speculators' peagle) export, ours or another trainer's, read and validated by the independent
+    reader (drafters.export.peagle). Its embedding must be the target's: the decoder drafts with the target's."""
+    from drafters.checkpoint import target_info
+    from drafters.export.peagle import read_peagle_export
+
+    peagle_config, state, embedding, _ = read_peagle_export(path, target=target_info(target))
+    own = target.embed_tokens.weight.detach().to("cpu", embedding.dtype)
+    if not torch.equal(embedding, own):
+        raise ValueError(f"{path}: its embed_tokens differ from target {target.name!r}'s (max |diff| "
+                         f"{float((embedding.float() - own.float()).abs().max()):.3g}): this decoder drafts with the "
+                         "target's frozen embedding, so the export would draft differently here")
+    return peagle_proposer(peagle_config, state, target, tree_spec, path)
