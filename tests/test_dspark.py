@@ -25,6 +25,8 @@ from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.decode.proposers.dspark import dspark_proposer_from_checkpoint
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.tree import parse_tree_spec
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
@@ -253,6 +255,11 @@ def test_the_confidence_gate_drafts_less_and_is_refused_where_it_cannot_work(che
     assert counts == sorted(counts, reverse=True) and counts[0] > 0 and drafted[1.0] == 0  # sigmoid < 1
     with pytest.raises(ValueError, match="cuts chains only; use a tree spec chain:K"):
         dspark_proposer_from_checkpoint(load_checkpoint(path), target, "static:[[0],[1]]", conf_min=0.5)
+    # the command-line spelling (eval/tau.py --proposer DIR:conf_min=P) builds the same gate
+    gated = load_proposer(f"{path}:conf_min=0.95", target, parse_tree_spec("chain:4"))
+    assert gated.conf_min == 0.95
+    with pytest.raises(ValueError, match=r"conf_min=2 in .*want a confidence in \[0, 1\]"):
+        load_proposer(f"{path}:conf_min=2", target, parse_tree_spec("chain:4"))
 
 
 @pytest.mark.parametrize("tree", ["chain:3", "static:[[0],[1],[0,0],[1,0]]"])

@@ -9,6 +9,8 @@ Specs:
   <directory>:aux_layers=A,B,C              an EAGLE-3 drafter whose config records no auxiliary layers
                                             drafts from these (HF hidden_states indices) instead of
                                             the serving engine's default; refused where it records others
+  <directory>:conf_min=P                    a DSpark drafter's chain cut at the first slot whose confidence head
+                                            says < P (llama.cpp's --spec-draft-p-min for DSpark)
   <directory>+prompt-lookup[:options]       the drafter's tree plus one prompt-lookup continuation as
                                             deep as the tree, verified together (greedy only);
                                             options: max_ngram, min_ngram, copy_ngram=N (rounds where
@@ -30,7 +32,7 @@ from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.files import dir_sha256
 from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
 from drafters.decode.proposers.draft_model import DraftModelProposer
-from drafters.decode.proposers.dspark import dspark_export_loader, dspark_proposer_from_checkpoint
+from drafters.decode.proposers.dspark import DSparkProposer, dspark_export_loader, dspark_proposer_from_checkpoint
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
 from drafters.decode.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
@@ -41,7 +43,7 @@ from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
                   "<drafter checkpoint directory>[:aux_layers=A,B,C]", "<drafter directory>+prompt-lookup[:options]")
-DRAFTER_OPTIONS = ("aux_layers",)  # DIR:option=value: see split_drafter_spec
+DRAFTER_OPTIONS = ("aux_layers", "conf_min")  # DIR:option=value: see split_drafter_spec
 # Trained drafters register here, one entry per family of drafters.registry.FAMILIES:
 # native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
 # match (layers, hidden, vocab, context) is checked before, by drafters.checkpoint.check_target.
@@ -116,6 +118,14 @@ def split_drafter_spec(spec: str) -> tuple[Path, dict]:
             raise ValueError(f"aux_layers={','.join(values)} in {spec!r}: want HF hidden_states indices, e.g. "
                              "aux_layers=2,15,27")
         options["aux_layers"] = [int(v) for v in values]
+    if "conf_min" in options:
+        value = ",".join(options["conf_min"])
+        try:
+            options["conf_min"] = float(value)
+        except ValueError:
+            options["conf_min"] = -1.0
+        if not 0.0 <= options["conf_min"] <= 1.0:
+            raise ValueError(f"conf_min={value} in {spec!r}: want a confidence in [0, 1], e.g. conf_min=0.8")
     return Path(path), options
 
 
@@ -180,10 +190,17 @@ def _draft_model(name: str, target, tree: TreeSpec) -> DraftModelProposer:
     )
 
 
-def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int] | None = None):
+def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int] | None = None,
+                    conf_min: float | None = None):
     """aux_layers (HF indices): the layers an EAGLE-3 drafter that records none drafts from (else the
     serving engine's default, said in the proposer's notes); where the drafter records its layers
-    the option must name the same ones."""
+    the option must name the same ones. conf_min: a DSpark drafter's confidence gate (chains only)."""
+    if conf_min is not None:
+        proposer = load_checkpoint(path, target, tree, aux_layers=aux_layers)
+        if not isinstance(proposer, DSparkProposer):
+            raise ValueError(f"conf_min={conf_min} for {path}: only DSpark drafters have a confidence head, this is "
+                             f"a {type(proposer).__name__.removesuffix('Proposer')} drafter")
+        return DSparkProposer(proposer.drafter, proposer.embed, proposer.tree, conf_min=conf_min)
     if (path / CONFIG_FILE).is_file():  # native drafters checkpoint (drafters.checkpoint)
         checkpoint = read_checkpoint(path)
         check_target(checkpoint, target)
