@@ -24,7 +24,6 @@ What differs from EAGLE-3: no training-time test unroll (no slot reads the draft
 forward per round instead of K sequential steps, and the mask_hidden parameter.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch

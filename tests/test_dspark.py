@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_script  # tests/ is on sys.path under pytest
+from test_sampling import chi_square_pvalue
 from transformers import GenerationConfig
 
-from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.decode.proposers.dspark import dspark_proposer_from_checkpoint
 from drafters.decode.proposers.loading import load_proposer
-from drafters.decode.tree import parse_tree_spec
 from drafters.decode.sampling import SamplingConfig, warp
+from drafters.decode.tree import parse_tree_spec
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.dspark import DSparkConfig, DSparkDrafter, block_prev_ids
@@ -38,7 +39,6 @@ from drafters.targets import Target, TargetFeatures
 from drafters.tiny import build_tiny_target
 from drafters.training.dflash import block_loss
 from drafters.training.recipe import RecipeError
-from test_sampling import chi_square_pvalue
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "dspark_tiny.yaml")
@@ -110,7 +110,7 @@ def test_zero_markov_weights_give_dflash_logits_and_a_fresh_drafter_starts_there
     for drafter, cache in zip((plain, spark), caches):
         drafter.extend_context(features, cache)
     pending = torch.tensor([7])
-    normed, base = plain.draft(pending, model.get_input_embeddings(), caches[0])
+    _, base = plain.draft(pending, model.get_input_embeddings(), caches[0])
     spark_normed, _ = spark.draft(pending, model.get_input_embeddings(), caches[1])
     torch.testing.assert_close(spark.slot_logits(spark_normed[0, 1:], torch.tensor([7, 8, 9, 10])), base[0])
 
@@ -125,8 +125,8 @@ def test_confidence_loss_is_the_bce_against_one_minus_total_variation(setup):
     counted = out.labels >= 0  # (B, N, Bk-1)
     normed = drafter.block_unroll(features, ids, embed, anchors, keep)[:, :, 1:]
     prev = block_prev_ids(ids, anchors, BLOCK)
-    from drafters.training.dflash import decay_weights, supervised_block_targets
     from drafters.dflash import block_label_mask, block_label_rows
+    from drafters.training.dflash import decay_weights, supervised_block_targets
 
     index, (target_p, _) = supervised_block_targets(drafter, logits, block_label_rows(anchors, BLOCK),
                                                     block_label_mask(anchors, keep, loss_mask, BLOCK), ids.shape[1])
@@ -240,7 +240,7 @@ def test_greedy_decoding_equals_generate_with_and_without_the_gate(checkpoint, t
         proposer = dspark_proposer_from_checkpoint(load_checkpoint(path), target, tree, **options)
         for i in range(3):
             prompt = rows[i, :PROMPT]
-            out, stats = speculative_generate(target, proposer, prompt, max_new_tokens=24)
+            out, _ = speculative_generate(target, proposer, prompt, max_new_tokens=24)
             assert out.tolist() == target.model.generate(prompt[None], generation_config=config)[0].tolist()
 
 

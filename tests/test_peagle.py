@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script  # tests/ is on sys.path under pytest
+from test_sampling import chi_square_pvalue
 from transformers import GenerationConfig
 
-from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters import peagle
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
@@ -35,7 +36,6 @@ from drafters.targets import Target, TargetFeatures
 from drafters.tiny import build_tiny_target
 from drafters.training.peagle import parallel_loss
 from drafters.training.recipe import RecipeError
-from test_sampling import chi_square_pvalue
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "peagle_tiny.yaml")
@@ -93,7 +93,7 @@ def chain_logits(drafter, features, ids, embed, starts, keep):
 
 
 def test_training_chains_equal_one_pass_drafted_on_a_cached_prefix(setup):
-    model, drafter, ids, loss_mask, features, logits, starts, keep = setup
+    model, drafter, ids, _, features, _, starts, keep = setup
     embed = model.get_input_embeddings()
     chains = chain_logits(drafter, features, ids, embed, starts, keep)
     assert len(chains) >= 8 and max(len(v) for v in chains.values()) == K  # some chains reach depth K-1
@@ -111,7 +111,7 @@ def leaky(starts, keep, seq_len):  # WRONG: deep slots also see the depth-0 slot
 
 
 def test_the_comparison_catches_a_leaky_chain_mask(setup, monkeypatch):
-    model, drafter, ids, loss_mask, features, logits, starts, keep = setup
+    model, drafter, ids, _, features, _, starts, keep = setup
     embed = model.get_input_embeddings()
     monkeypatch.setattr(peagle, "chain_attention_mask", leaky)
     chains = chain_logits(drafter, features, ids, embed, starts, keep)

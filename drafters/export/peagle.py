@@ -27,11 +27,26 @@ from drafters.checkpoint import Checkpoint
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.dtypes import DTYPES
 from drafters.eagle3 import NORM_OPTIONS
-from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
-                                    export_target, load_source)
+from drafters.export.common import (
+    ExportError,
+    ExportResult,
+    check_out_dir,
+    export_dtype,
+    export_files,
+    export_target,
+    load_source,
+)
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS, llama_layer_fields
-from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
-                                     read_tensors, rope_fields)
+from drafters.export.reading import (
+    CheckReport,
+    ExportCheckError,
+    check_finite,
+    get_field,
+    int_list,
+    read_json,
+    read_tensors,
+    rope_fields,
+)
 from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
 

@@ -92,13 +92,13 @@ def parallel_loss(drafter: PEagleDrafter, features, input_ids, target_logits, lo
         if return_hits:
             logits = drafter.compute_logits(block)  # (B, ., Vd)
             ones = torch.ones_like(argmax_draft, dtype=torch.bool)
-            loss, acc, count = soft_cross_entropy(logits[counted], target_p, ones, argmax_draft, ones,
+            loss, acc, _ = soft_cross_entropy(logits[counted], target_p, ones, argmax_draft, ones,
                                                   num_positions=total)
             correct = torch.zeros_like(counted)
             correct[counted] = logits[counted].argmax(-1) == argmax_draft
             hits.append(correct)
         else:  # the LM head fused into the loss (a module call: sharding engines gather it)
-            loss, acc, count = drafter.lm_head(drafter.norm(block[counted]), target_p, argmax_draft,
+            loss, acc, _ = drafter.lm_head(drafter.norm(block[counted]), target_p, argmax_draft,
                                                num_positions=total)
         losses.append(loss)
         accuracies.append(acc)
