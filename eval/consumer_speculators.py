@@ -16,11 +16,25 @@ builds, loads or runs is speculators' own (`Eagle3DraftModel`, `Eagle3Speculator
         by its own forward: INPUTS holds the prompt's features, its shifted ids and `pending`;
         writes OUT_DIR/chain.safetensors (chain: (1 + K,) target ids, logits: (1, T, Vd) step 0,
         chain_logits: (K, Vd) each chain step's logits).
+    python eval/consumer_speculators.py dspark EXPORT_DIR INPUTS OUT_DIR
+        speculators' `DSparkDraftModel.from_pretrained` loads EXPORT_DIR (our dspark --format vllm
+        export), runs its forward on INPUTS (hidden_states (1, T, n*h), input_ids (1, T) with
+        input_ids[t] = token t: the DFlash family reads no shifted ids, anchors (N,) with
+        anchor + block_size <= T) and writes OUT_DIR/logits.safetensors (logits (1, N*Bk, Vd)
+        with the Markov bias, confidence (1, N*Bk) logits; slot j of block n at n*Bk + j) and
+        OUT_DIR/read.json.
+    python eval/consumer_speculators.py peagle EXPORT_DIR INPUTS OUT_DIR
+        speculators' `PEagleDraftModel.from_pretrained` loads EXPORT_DIR (our peagle --format vllm
+        export) and runs its forward once per slot layout i of INPUTS (hidden_states (1, T, n*h)
+        features of positions 0..T-1; input_ids.i (1, T) with input_ids.i[t] = token t+1, EAGLE's
+        shift; anchor_pos.i, depth.i (S,) its slots, as its drop-token sampler would draw them);
+        writes OUT_DIR/logits.safetensors (logits.i: (1, S, Vd) in slot order) and OUT_DIR/read.json.
 """
 
 import json
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -162,6 +176,146 @@ def greedy_chain(model, hidden_states, input_ids, pending: int, depth: int):
     return torch.tensor(chain), logits[0][:, :T], torch.stack([x[0, T - 1] for x in logits])
 
 
+# ---- DSpark and P-EAGLE: speculators trains them and has no drafting code, so the logits its forward ---------
+# scores are captured from it: the random anchors (DSpark) and drop-token chains (P-EAGLE) it would draw are
+# replaced by the caller's, and its loss is replaced by a function that keeps its arguments.
+
+def load_draft_model(config_class, model_class, export_dir: Path):
+    config = config_class.from_pretrained(export_dir)
+    use_cpu_attention(config)
+    model = model_class.from_pretrained(export_dir, config=config).float().eval()
+    never_loaded = [name for name, p in model.named_parameters() if p.isnan().any()]
+    verifier = load_file(Path(model.config.speculators_config.verifier.name_or_path) / "model.safetensors")
+    return model, {"never_loaded": never_loaded,
+                   "embedding_is_verifiers": bool(torch.equal(model.embed_tokens.weight,
+                                                              verifier["model.embed_tokens.weight"]))}
+
+
+def verifier_states(model, length: int):
+    # the forward scores its loss targets from the verifier's last hidden states (1, length, h): not compared
+    return torch.zeros(1, length, model.config.transformer_layer_config.hidden_size)
+
+
+def draft_read_back(config) -> dict:
+    layer = config.transformer_layer_config
+    rope = getattr(layer, "rope_parameters", None) or {}
+    return {
+        "speculators_model_type": config.speculators_model_type,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "mask_token_id": config.mask_token_id,
+        "layer_model_type": layer.model_type,
+        "vocab_size": layer.vocab_size,
+        "num_hidden_layers": layer.num_hidden_layers,
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+        "num_attention_heads": layer.num_attention_heads,
+        "num_key_value_heads": layer.num_key_value_heads,
+        "head_dim": layer.head_dim,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta"),
+        "rope_type": rope.get("rope_type"),
+        "hidden_act": layer.hidden_act,
+        "attention_bias": getattr(layer, "attention_bias", None),
+        "layer_types": list(getattr(layer, "layer_types", None) or []),
+        "speculative_tokens": [m.speculative_tokens for m in config.speculators_config.proposal_methods],
+        "verifier": config.speculators_config.verifier.name_or_path,
+    }
+
+
+def dspark(export_dir: Path, inputs_file: Path, out_dir: Path) -> None:
+    import speculators.models.dflash.core as dflash_core
+    import speculators.models.dspark.core as dspark_core
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    model, loaded = load_draft_model(DSparkSpeculatorConfig, DSparkDraftModel, export_dir)
+    inputs = load_file(inputs_file)
+    hidden_states, input_ids, anchors = inputs["hidden_states"], inputs["input_ids"], inputs["anchors"]
+    T, n = input_ids.shape[1], anchors.numel()
+    scored = {}
+
+    def select_anchors(loss_mask, max_anchors, block_size):  # -> anchor positions (N,), valid (N,)
+        return anchors, torch.ones(n, dtype=torch.bool)
+
+    def compute_metrics(logits, targets, confidence_logits, *args, **kwargs):
+        scored.update(logits=logits.detach(), confidence=confidence_logits.detach())
+        return logits.new_zeros(()), {}
+
+    with torch.no_grad(), patch.object(dflash_core, "select_anchors", select_anchors), \
+            patch.object(dspark_core, "compute_metrics", compute_metrics):
+        model(hidden_states=hidden_states, input_ids=input_ids, loss_mask=torch.ones(1, T),
+              verifier_last_hidden_states=verifier_states(model, T), document_ids=torch.zeros_like(input_ids),
+              position_ids=None, max_anchors=n)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({"logits": scored["logits"].contiguous(), "confidence": scored["confidence"].contiguous()},
+              out_dir / "logits.safetensors")
+    config = model.config
+    read = {**draft_read_back(config), **loaded,
+            "architectures": list(config.architectures),
+            "aux_hidden_state_layer_ids": config.aux_hidden_state_layer_ids,
+            "block_size": config.block_size,
+            "sample_from_anchor": config.sample_from_anchor,
+            "markov_rank": config.markov_rank,
+            "markov_head_type": config.markov_head_type,
+            "enable_confidence_head": config.enable_confidence_head,
+            "confidence_head_with_markov": config.confidence_head_with_markov}
+    (out_dir / "read.json").write_text(json.dumps(read, indent=2) + "\n")
+
+
+def peagle(export_dir: Path, inputs_file: Path, out_dir: Path) -> None:
+    import speculators.models.peagle.core as peagle_core
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+
+    model, loaded = load_draft_model(PEagleSpeculatorConfig, PEagleDraftModel, export_dir)
+    inputs = load_file(inputs_file)
+    hidden_states = inputs["hidden_states"]  # (1, T, n*h)
+    T = hidden_states.shape[1]
+    logits = {}
+    for i in range(int(inputs["layouts"])):
+        input_ids, anchor_pos, depth = inputs[f"input_ids.{i}"], inputs[f"anchor_pos.{i}"], inputs[f"depth.{i}"]
+        # the forward gathers ids and features at anchor + depth for every slot (torch.where reads both sides):
+        # rows past T exist for that gather only; no slot sees them (none is a depth-0 slot)
+        pad = max(int((anchor_pos + depth).max()) + 1 - T, 0)
+        hidden = torch.cat([hidden_states, hidden_states.new_zeros(1, pad, hidden_states.shape[2])], 1)
+        ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], 1)  # (1, T + pad)
+        logits[f"logits.{i}"] = peagle_forward(model, peagle_core, hidden, ids, anchor_pos, depth)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(logits, out_dir / "logits.safetensors")
+    config, saved = model.config, load_file(export_dir / "model.safetensors")
+    read = {**draft_read_back(config), **loaded,
+            "architectures": list(config.architectures),
+            "eagle_aux_hidden_state_layer_ids": config.eagle_aux_hidden_state_layer_ids,
+            "norm_before_residual": config.norm_before_residual,
+            "norm_before_fc": config.norm_before_fc,
+            "fc_norm": config.fc_norm,
+            # a file without mask_hidden loads silently: speculators drafts on the parameter's uninitialised memory
+            "mask_hidden_loaded": "mask_hidden" in saved and bool(torch.equal(model.mask_hidden.detach(),
+                                                                               saved["mask_hidden"].float()))}
+    (out_dir / "read.json").write_text(json.dumps(read, indent=2) + "\n")
+
+
+def peagle_forward(model, peagle_core, hidden_states, input_ids, anchor_pos, depth):
+    """speculators' P-EAGLE forward on the slots (anchor_pos, depth) (S,) each: slot s sits at position
+    anchor_pos[s] + depth[s] and reads (hidden_states, input_ids) there at depth 0, (mask_hidden, mask token)
+    deeper. -> logits (1, S, Vd), the slots' draft logits."""
+    scored = {}
+
+    def generate_cod_sample_indices(seq_length, loss_mask, **kwargs):  # -> anchor_pos, depth (S,)
+        return anchor_pos, depth
+
+    def compute_metrics(logits, targets, **kwargs):
+        scored["logits"] = logits.detach()
+        return logits.new_zeros(()), {}
+
+    T = input_ids.shape[1]
+    with torch.no_grad(), patch.object(peagle_core, "generate_cod_sample_indices", generate_cod_sample_indices), \
+            patch.object(peagle_core, "compute_metrics", compute_metrics):
+        model(hidden_states=hidden_states, input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
+              loss_mask=torch.ones(1, T), verifier_last_hidden_states=verifier_states(model, T))
+    return scored["logits"].contiguous()
+
+
 if __name__ == "__main__":
     command, *paths = sys.argv[1:]
-    {"load": load, "create": create}[command](*map(Path, paths))
+    {"load": load, "create": create, "dspark": dspark, "peagle": peagle}[command](*map(Path, paths))

@@ -106,6 +106,31 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(dof / 2, stat / 2).item()
 
 
+@torch.no_grad()
+def first_two_tokens_pvalue(model, proposer, prompt, runs: int = 400, top_k: int = 4) -> tuple[float, int]:
+    """A proposer's sampled decoding, end to end: the first two new tokens `runs` times over (the first from the
+    prefill, the second from a drafted round: an accepted draft, or a residual / bonus sample), and their joint
+    law against the target's at temperature 1, top-k (Pearson's chi-square). A third token keeps an accepted
+    draft countable (with two, the budget cuts every round to its first token). -> (p-value, rounds whose first
+    draft was accepted: the acceptance rule must be exercised, not only the bonus)."""
+    from drafters.decode.decoder import speculative_generate
+
+    cfg = SamplingConfig(temperature=1.0, top_k=top_k)
+    n = prompt.numel()
+    p1 = warp(model(prompt[None]).logits[0, -1], cfg)  # (V,)
+    firsts = p1.nonzero().flatten().tolist()
+    p2 = {x: warp(model(torch.cat([prompt, torch.tensor([x])])[None]).logits[0, -1], cfg) for x in firsts}
+    columns = {x: p2[x].nonzero().flatten().tolist() for x in firsts}
+    gen, counts, accepted = torch.Generator().manual_seed(3), torch.zeros(len(firsts), top_k), 0
+    for _ in range(runs):
+        out, stats = speculative_generate(model, proposer, prompt, max_new_tokens=3, sampling=cfg, generator=gen)
+        x1, x2 = out[n:n + 2].tolist()
+        counts[firsts.index(x1), columns[x1].index(x2)] += 1  # raises if x2 is outside the target's top-k
+        accepted += stats.accepted[0] > 0
+    exact = torch.stack([p1[x] * p2[x][columns[x]] for x in firsts])
+    return chi_square_pvalue(counts.flatten(), exact.flatten()), accepted
+
+
 def _empirical(samples: int, sampled: bool, **rule):
     p1, p2 = _synthetic_target()
     gen = torch.Generator().manual_seed(1)
