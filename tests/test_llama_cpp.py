@@ -225,9 +225,9 @@ def test_tiny_target_serves_our_drafter_and_agrees(family, tiny, drafters_for_ti
     assert list(facts.target_layers) == json.loads((drafters_for_tiny[family] / "drafter.json").read_text())[
         "config"]["aux_layers"]
     assert result.check.fc_max_abs_diff == 0.0
-    # the norm options are a variant of EAGLE-3's layout: half the prompts, for the suite's time
+    # the norm options are a variant of EAGLE-3's layout, DSpark of DFlash's: half the prompts (the suite's time)
     results = serve_and_referee(tiny, target_file, tmp_path / "gguf", drafters_for_tiny[family],
-                                limit=3 if family == "eagle3-norms" else None)
+                                limit=3 if family in ("eagle3-norms", "dspark") else None)
     assert all(r.parted_at is None for r in results)  # F32 on both sides, a wide-logit target: no near-ties
 
 
