@@ -4,7 +4,6 @@ reads back instead of retraining, and its refusals. The training itself is train
 import json
 
 import pytest
-
 from conftest import ROOT, load_script
 
 equal_time = load_script("eval/equal_time.py")
