@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from drafters.checkpoint import check_target
+from drafters.decode.proposers.dflash import DFlashProposer
 from drafters.decode.proposers.eagle import EagleProposer
-from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, parse_tree_spec, ranked_draws
+from drafters.decode.sampling import SamplingConfig
+from drafters.decode.tree import ChainSpec, Tree, TreeSpec, build_tree, parse_tree_spec
 from drafters.peagle import PEagleConfig, PEagleDrafter
 from drafters.registry import build_drafter, check_fits, drafter_config
 
@@ -40,18 +41,8 @@ class PEagleProposer(EagleProposer):
         return build_tree(self.tree, pending, lambda _, draws: self._rows_expander(rows, sampling, draws),
                           sampled=not sampling.greedy, chain_depth=depth)
 
-    def _rows_expander(self, rows: Tensor, sampling: SamplingConfig, draws: int):
-        probs = {}
-
-        def expand(frontier: Frontier) -> Tensor:
-            row = rows[frontier.depth][None].expand(len(frontier.nodes), -1)  # (F, Vd)
-            if not draws:
-                return self._to_target(row.float().log_softmax(-1), float("-inf"))
-            q = self._to_target(warp(row, sampling), 0.0)
-            probs.update(zip(frontier.nodes.tolist(), q))
-            return ranked_draws(q, draws, self.generator)
-
-        return expand, probs
+    # row d of one pass ranks every depth-d node's children: DFlash's expander over its slots
+    _rows_expander = DFlashProposer._expander
 
 
 def peagle_proposer_from_checkpoint(ckpt, target, tree_spec, *, seed: int = 0) -> PEagleProposer:
