@@ -11,6 +11,7 @@ Greedy == generate on a chain and a static tree, the export round trip and the f
 tests/test_contracts.py's; speculators' own P-EAGLE reproducing our logits is tests/test_consumers.py's.
 """
 
+import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -262,6 +263,14 @@ def test_reproduces_golden_losses(run):
     _, summary = run
     golden = [5.571626, 5.566345, 5.556323, 5.55373, 5.552438, 5.549995]
     assert [round(x, 6) for x in summary.losses] == pytest.approx(golden, abs=2e-5)
+
+
+def test_held_out_tau_is_reported_for_every_chain_length(run):
+    out, _ = run
+    result = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    by_length = result["tau_pred_by_length"]
+    assert len(by_length) == K and by_length == sorted(by_length) and by_length[-1] == result["tau_pred"]
+    assert len(result["step_acc"]) == K and result["chains"] > 0
 
 
 def test_resumed_run_draws_the_same_chains_and_ends_with_the_same_weights(eagle, run, tmp_path):

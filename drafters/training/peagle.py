@@ -139,12 +139,14 @@ def evaluate_peagle(drafter: PEagleDrafter, inputs, embed, batches: list[dict], 
         acc_d    = correct top-1 / counted slots at depth d (d = 0: every position, as EAGLE-3's step 0)
         tau_pred = 1 + mean over chains of the number of leading correct depths: a greedy chain of K drafts'
                    accepted length when the target's argmax continues the data (labels outside the draft
-                   vocabulary or not learnt end a chain)."""
+                   vocabulary or not learnt end a chain)
+        tau_pred_by_length[n-1] = the same for a chain of the first n drafts (n = 1..K), to compare with
+                   families scored at another length."""
     drafter.eval()
     o = recipe.peagle
     generator = torch.Generator().manual_seed(recipe.seed)
     correct = counted = None
-    runs, chains, loss = 0.0, 0, 0.0
+    runs, chains, loss = torch.zeros(o.depth), 0, 0.0  # runs[n-1]: leading correct depths, capped at n
     for batch in batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         features, target_logits = inputs(batch)
@@ -156,11 +158,13 @@ def evaluate_peagle(drafter: PEagleDrafter, inputs, embed, batches: list[dict], 
         correct = acc if correct is None else correct + acc
         counted = out.step_counts if counted is None else counted + out.step_counts
         kept = keep[:, 0] if keep.shape[1] else torch.ones_like(starts, dtype=torch.bool)  # (B, N) chains
-        runs += float(out.hits.int().cumprod(1).sum(1)[kept].sum())
+        leading = out.hits.int().cumprod(1).sum(1)[kept].cpu()  # (chains,)
+        runs += torch.stack([leading.clamp(max=n).sum() for n in range(1, o.depth + 1)]).float()
         chains += int(kept.sum())
         loss += float(out.loss)
     return {"loss": loss / max(len(batches), 1), "step_acc": (correct / counted.clamp(min=1)).tolist(),
-            "supervised": int(counted[0]), "chains": chains, "tau_pred": 1 + runs / max(chains, 1)}
+            "supervised": int(counted[0]), "chains": chains, "tau_pred": 1 + float(runs[-1]) / max(chains, 1),
+            "tau_pred_by_length": (1 + runs / max(chains, 1)).tolist()}
 
 
 def format_peagle_eval(result: dict) -> str:
