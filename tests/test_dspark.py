@@ -262,6 +262,17 @@ def test_the_confidence_gate_drafts_less_and_is_refused_where_it_cannot_work(che
         load_proposer(f"{path}:conf_min=2", target, parse_tree_spec("chain:4"))
 
 
+def test_the_gate_needs_a_dspark_drafter_with_a_confidence_head(checkpoint, tmp_path):
+    target, _, path = checkpoint
+    ckpt = load_checkpoint(path)
+    config = {**ckpt.config, "confidence_head": False}
+    state = {k: v for k, v in ckpt.state_dict.items() if not k.startswith("confidence_head.")}
+    bare = save_checkpoint(tmp_path / "bare", family="dspark", config=config, target=ckpt.target, state_dict=state)
+    with pytest.raises(ValueError, match="conf_min needs a DSpark drafter trained with a confidence head"):
+        load_proposer(f"{bare}:conf_min=0.5", target, parse_tree_spec("chain:4"))
+    load_proposer(str(bare), target, parse_tree_spec("chain:4"))  # without the gate it drafts as usual
+
+
 @pytest.mark.parametrize("tree", ["static:[[0],[1],[0,0],[1,0]]"])  # siblings drawn from their own tokens' biases
 @torch.no_grad()
 @pytest.mark.slow

@@ -19,14 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import load_script  # tests/ is on sys.path under pytest
+from safetensors.torch import load_file, save_file
 from test_sampling import first_two_tokens_pvalue
 from transformers import GenerationConfig
 
 from drafters import peagle
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
+from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.proposers.peagle import peagle_proposer_from_checkpoint
 from drafters.decode.sampling import SamplingConfig, warp
+from drafters.decode.tree import parse_tree_spec
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
 from drafters.eagle3 import fuse_features
 from drafters.export.common import ExportError
@@ -243,6 +246,20 @@ def test_refusals_name_the_depth_and_the_formats(checkpoint, tmp_path):
     with pytest.raises(ExportError, match=r"peagle checkpoint to llama.cpp is not supported .*use --format vllm"):
         export_checkpoint(path, "llama.cpp", tmp_path / "b", target=target)
     assert not any(tmp_path.iterdir())
+    # the gate is DSpark's: a P-EAGLE drafter has no confidence head
+    with pytest.raises(ValueError, match="only DSpark drafters have a confidence head, this is a PEagle drafter"):
+        load_proposer(f"{path}:conf_min=0.5", target, parse_tree_spec("chain:4"))
+
+
+def test_an_export_with_another_embedding_is_refused_where_it_would_draft(checkpoint, tmp_path):
+    target, _, path = checkpoint
+    export = export_checkpoint(path, "vllm", tmp_path / "vllm", target=target).path
+    assert load_proposer(str(export), target, parse_tree_spec("chain:4")).drafter.config.depth == K  # as written
+    tensors = load_file(export / "model.safetensors")
+    tensors["embed_tokens.weight"] = tensors["embed_tokens.weight"] + 0.5
+    save_file(tensors, export / "model.safetensors")
+    with pytest.raises(ValueError, match=r"embed_tokens differ from target 'tiny-random-llama''s \(max \|diff\| 0.5\)"):
+        load_proposer(str(export), target, parse_tree_spec("chain:4"))
 
 
 # ---------------------------------------------------------------- trained through train/eagle.py
