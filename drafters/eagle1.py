@@ -31,11 +31,8 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
-from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
-from drafters.eagle3 import (
-    ttt_attention_mask,
-    ttt_input_ids,
-)
+from drafters.eagle3 import ttt_input_ids
+from drafters.layers import DraftAttention, DraftKVCache, TTTKeys, llama_config, target_layer_fields
 
 FEATURES = ("pre_norm", "normed")
 
@@ -164,7 +161,7 @@ class Eagle1Drafter(nn.Module):
         feature_{t+1} (whose head gives token t+2). Steps i > 0 (held-out evaluation) are the chain the
         decoder drafts: position t reads its own step i-1 output as the feature and token_{t+1+i}, RoPE
         position t+i, and attends to step-0 keys <= t and to its own earlier steps only
-        (eagle3.ttt_attention_mask: what a KV cache sees). The objective is
+        (drafters.layers.TTTKeys: what a KV cache sees). The objective is
         drafters.training.eagle1.chain_loss."""
         seq_len = input_ids.shape[1]
         positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
@@ -173,8 +170,7 @@ class Eagle1Drafter(nn.Module):
         for step in range(min(steps, seq_len - 1)):  # step i has labels at t = 0 .. T-2-i
             x = self.project(hidden, ttt_input_ids(input_ids, step), embed)  # (B, T, h), token_{t+1+i}
             past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
-            mask = ttt_attention_mask(seq_len, step, input_ids.device)  # (T, (i+1)T)
-            hidden, (k, v) = self.backbone(x, positions + step, past, mask)  # (B, T, h) predicted features
+            hidden, (k, v) = self.backbone(x, positions + step, past, TTTKeys(step))  # (B, T, h) predicted features
             keys.append(k)
             values.append(v)
             yield step, hidden

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
-from drafters.layers import DraftAttention, DraftKVCache, llama_config, target_layer_fields
+from drafters.layers import DraftAttention, DraftKVCache, TTTKeys, llama_config, target_layer_fields
 from drafters.losses import FusedLinearHead
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
@@ -124,15 +124,6 @@ def ttt_label_mask(loss_mask: Tensor, step: int) -> Tensor:
     return shift_left(loss_mask, 2 + step)[:, :num_rows]  # (B, T-1-i), t -> loss_mask[t+2+i]
 
 
-def ttt_attention_mask(seq_len: int, step: int, device=None) -> Tensor:
-    """(T, (i+1)T) bool over the keys [step 0 | step 1 | ... | step i], each block T positions.
-    Query (step i, t) sees step-0 keys at positions <= t (causal) and, of each step j in 1..i,
-    only the key at its own position t (diagonal): exactly what drafting with a KV cache sees."""
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diagonal] * step, dim=1)
-
-
 LLAMA_LAYER_WEIGHTS = ({f"self_attn.{p}_proj.weight" for p in "qkvo"}
                        | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
                        | {"input_layernorm.weight", "post_attention_layernorm.weight"})
@@ -229,7 +220,7 @@ class Eagle3Drafter(nn.Module):
         read (rows right-padded, nothing pre-shifted): features (B, T, n*h) fused at positions t;
         input_ids (B, T). Yields (i, hidden (B, T, h)) for steps i = 0 .. steps-1: step i reads, at
         position t, its own output of step i-1 (fc(features) at i = 0) and token_{t+1+i}, at RoPE
-        position t+i, attending to the keys of steps 0 .. i under ttt_attention_mask; its row t drafts
+        position t+i, attending to the keys of steps 0 .. i as TTTKeys(i) says (drafters.layers); its row t drafts
         token t+2+i (label: the target's row t+1+i, ttt_label_rows / ttt_label_mask). The objective
         (drafters.training.eagle3.ttt_loss) scores each step as it comes."""
         seq_len = input_ids.shape[1]
@@ -239,8 +230,7 @@ class Eagle3Drafter(nn.Module):
         for step in range(steps):
             embeds = self.embed_ids(embed, ttt_input_ids(input_ids, step))  # (B, T, h)
             past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
-            mask = ttt_attention_mask(seq_len, step, input_ids.device)  # (T, (i+1)T)
-            hidden, (k, v) = self.backbone(embeds, hidden, positions + step, past, mask)
+            hidden, (k, v) = self.backbone(embeds, hidden, positions + step, past, TTTKeys(step))
             keys.append(k)
             values.append(v)
             yield step, hidden

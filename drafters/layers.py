@@ -5,7 +5,8 @@ Geometry: a drafter layer is shaped like one of the target's decoder layers (hid
 GQA heads, head_dim, RoPE, norm epsilon, activation) so that engines build it from the same config
 fields; `target_layer_fields(target_config)` reads them (Gemma's names and per-layer-type RoPE
 included) and `llama_config(c)` turns any config holding them into the LlamaConfig that transformers'
-RoPE and MLP read. Knows nothing about a family's inputs, losses or decoding.
+RoPE and MLP read. The training-time test's attention (TTTKeys, ttt_attention) lives here too: both
+EAGLE families unroll through it. Knows nothing about a family's inputs, losses or decoding.
 """
 
 from dataclasses import dataclass
@@ -69,10 +70,78 @@ class DraftAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        # softmax(q k^T / sqrt(D) where mask else -inf) v; mask (T, S) or (B, 1, T, S), True = see
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: "Tensor | TTTKeys") -> Tensor:
+        # softmax(q k^T / sqrt(D) where mask else -inf) v; mask (T, S) or (B, 1, T, S), True = see, or the
+        # training-time test's structure (TTTKeys), computed without a (T, S) mask
+        if isinstance(mask, TTTKeys):
+            out = ttt_attention(q, keys, values, mask.step)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))  # (B, T, h)
+
+
+# ---- the training-time test's attention -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TTTKeys:
+    """The keys of training-time-test step i: [step 0 | step 1 | ... | step i], T positions each. Query (step i, t)
+    sees step-0 keys at positions <= t (causal) and, of each step j in 1..i, only the key at its own position t
+    (diagonal): exactly what drafting with a KV cache sees. ttt_attention_mask(T, i) is this as a dense
+    (T, (i+1)T) mask, the reference; ttt_attention computes it in memory linear in T."""
+
+    step: int
+
+
+def ttt_attention_mask(seq_len: int, step: int, device=None) -> Tensor:
+    """(T, (i+1)T) bool over the keys [step 0 | step 1 | ... | step i]: TTTKeys(i) materialised (the reference
+    ttt_attention is tested against; 7 GiB at T = 32k, i = 6)."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def ttt_attention(q: Tensor, keys: Tensor, values: Tensor, step: int) -> Tensor:
+    """softmax over TTTKeys(step) without a (T, (i+1)T) mask. q (B, Hq, T, D); keys, values (B, Hkv, (i+1)T, D)
+    -> (B, Hq, T, D).
+
+    Step 0 is plain causal attention. For i > 0, one fused causal attention call over i "diagonal slots" placed
+    before step 0's T keys computes the softmax over both: i placeholder query rows go first as well, so the call is
+    square and query i+t sees the i slots and step-0 keys <= t. The diagonal scores s_j(t) = q_t . k_{j,t} (j = 1..i) ride in extra head dimensions:
+        q'_t   = [q_t ; hi(s_1(t)), lo(s_1(t)), ..., hi(s_i(t)), lo(s_i(t))]   (hi + lo = s in fp32, 2 dims each)
+        slot j = key [0 ; e_2j-1 + e_2j], value [0 ; e_j]   -> score q'_t . slot_j = s_j(t)
+        k0_s   = [k_s ; 0],               value [v_s ; 0]
+    so output channel D+j is slot j's softmax weight w_j(t), and the attention is
+        out_t = out'_t[:D] + sum_j w_j(t) v_{j,t}.
+    Memory and work are linear in T beyond the fused kernel's own causal attention."""
+    t, d = q.shape[2], q.shape[3]
+    group = q.shape[1] // keys.shape[1]
+    k0, v0 = keys[:, :, :t], values[:, :, :t]
+    if step == 0:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True)
+    kd = keys[:, :, t:].unflatten(2, (step, t))  # (B, Hkv, i, T, D): step j's key at each position
+    vd = values[:, :, t:].unflatten(2, (step, t)).repeat_interleave(group, 1)  # (B, Hq, i, T, D)
+    qg = q.unflatten(1, (keys.shape[1], group))  # (B, Hkv, G, T, D)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 scores: hi + lo keeps them exact in bf16
+        scores = torch.einsum("bkgtd,bkjtd->bkgtj", qg.float(), kd.float()).flatten(1, 2)  # (B, Hq, T, i)
+    hi = scores.to(q.dtype)
+    lo = (scores - hi.float()).to(q.dtype)
+    extra = -(-2 * step // 8) * 8  # 2i dims, padded to a multiple of 8 for the fused kernels
+    q_aug = torch.cat([q, torch.stack([hi, lo], -1).flatten(-2), q.new_zeros(*q.shape[:3], extra - 2 * step)], -1)
+    q_aug = F.pad(q_aug, (0, 0, step, 0))  # (B, Hq, i + T, D + extra): i placeholder rows first, dropped below
+    slots_k = q.new_zeros(step, d + extra)
+    slots_v = q.new_zeros(step, d + extra)
+    for j in range(step):
+        slots_k[j, d + 2 * j: d + 2 * j + 2] = 1
+        slots_v[j, d + j] = 1
+    b, hq = q.shape[:2]
+    k_aug = torch.cat([slots_k.expand(b, hq, step, -1),
+                       F.pad(k0, (0, extra)).repeat_interleave(group, 1)], 2)  # (B, Hq, i + T, D + extra)
+    v_aug = torch.cat([slots_v.expand(b, hq, step, -1),
+                       F.pad(v0, (0, extra)).repeat_interleave(group, 1)], 2)
+    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=d ** -0.5)[:, :, step:]
+    weights = out[..., d: d + step]  # (B, Hq, T, i): each diagonal slot's softmax weight
+    return out[..., :d] + torch.einsum("bhtj,bhjtd->bhtd", weights, vd)
 
 
 @dataclass

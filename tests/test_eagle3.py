@@ -2,9 +2,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import drafters.eagle3 as eagle3
+import drafters.layers as layers
 from drafters.draft_vocab import build_draft_vocab
-from drafters.layers import DraftKVCache
+from drafters.layers import DraftKVCache, ttt_attention, ttt_attention_mask
 from drafters.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
@@ -128,11 +128,18 @@ def latest_step_only_mask(seq_len, step, device=None):  # WRONG: forgets steps 1
     return torch.cat(blocks[:step + 1], dim=1)
 
 
+def dense_ttt_attention(mask_fn):
+    def attend(q, keys, values, step):  # the dense reference path, over a (T, (i+1)T) mask
+        mask = mask_fn(q.shape[2], step, q.device)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return attend
+
+
 @pytest.mark.parametrize("wrong_mask", [full_causal_mask, latest_step_only_mask])
 def test_decoding_comparison_catches_a_wrong_ttt_mask(setup, wrong_mask, monkeypatch):
     model, drafter, features, input_ids, logits, loss_mask = setup
     embed = model.get_input_embeddings()
-    monkeypatch.setattr(eagle3, "ttt_attention_mask", wrong_mask)
+    monkeypatch.setattr(layers, "ttt_attention", dense_ttt_attention(wrong_mask))
     t = input_ids.shape[1] // 2
     with torch.no_grad():
         out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
@@ -141,6 +148,39 @@ def test_decoding_comparison_catches_a_wrong_ttt_mask(setup, wrong_mask, monkeyp
     torch.testing.assert_close(out.step_logits[0][:, t], reference[0], atol=1e-5, rtol=0)
     # step 2: the full-causal mask is wrong from step 1 on, the latest-step-only one from step 2
     assert (out.step_logits[2][:, t] - reference[2]).abs().max() > 1e-3
+
+
+def attention_inputs(step, dtype, seq_len=13, heads=4, kv_heads=2, dim=16):
+    generator = torch.Generator().manual_seed(step)
+    q = torch.randn(2, heads, seq_len, dim, generator=generator) * 2
+    keys = torch.randn(2, kv_heads, (step + 1) * seq_len, dim, generator=generator) * 2
+    values = torch.randn(2, kv_heads, (step + 1) * seq_len, dim, generator=generator)
+    return [x.to(dtype).requires_grad_() for x in (q, keys, values)]
+
+
+@pytest.mark.parametrize("step", [0, 1, 3, 6])
+def test_ttt_attention_equals_the_dense_mask_with_gradients(step):
+    """The linear-memory TTT attention == softmax under the dense (T, (i+1)T) mask, outputs and the gradients of
+    q, keys and values (fp32; GQA with 2 query heads per key head)."""
+    results = []
+    for attend in (ttt_attention, dense_ttt_attention(ttt_attention_mask)):
+        q, keys, values = attention_inputs(step, torch.float32)
+        out = attend(q, keys, values, step)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out, q.grad, keys.grad, values.grad))
+    for name, ours, reference in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ttt_attention_in_bf16_keeps_the_diagonal_scores_exact():
+    # the diagonal scores ride in the query as hi + lo bf16 parts: no worse than the dense path, against fp32
+    step = 4
+    reference = dense_ttt_attention(ttt_attention_mask)(*attention_inputs(step, torch.float32), step)
+    errors = {}
+    for name, attend in (("linear", ttt_attention), ("dense", dense_ttt_attention(ttt_attention_mask))):
+        out = attend(*attention_inputs(step, torch.bfloat16), step)
+        errors[name] = (out.float() - reference).abs().max().item()
+    assert errors["linear"] <= 1.5 * errors["dense"] + 1e-3, errors
 
 
 def test_label_and_input_alignment_on_a_hand_made_sequence():
