@@ -87,3 +87,42 @@ def test_ctrl_c_at_start_up_is_a_sentence_not_a_traceback(capsys):
         run_main(main)
     assert stopped.value.code == 130 and stopped.value.__context__ is None or stopped.value.__suppress_context__
     assert "interrupted (Ctrl-C); what was saved before is intact" in capsys.readouterr().err
+
+
+def float_fields(schema, prefix=""):
+    """Dotted keys of every float field (optional ones included) of a recipe schema, sections walked."""
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        hint = hints[field.name]
+        if typing.get_origin(hint) in (list, tuple):
+            continue  # lists of floats: their items go through the same coercion
+        options = typing.get_args(hint) or (hint,)
+        section = next((o for o in options if dataclasses.is_dataclass(o)), None)
+        if section is not None:
+            yield from float_fields(section, f"{prefix}{field.name}.")
+        elif float in options:
+            yield f"{prefix}{field.name}"
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "inf"])
+def test_non_finite_numbers_are_refused_with_the_key(tmp_path, value):
+    # optim.lr=.nan used to pass and end in a torch traceback (issue 38); 'nan' / 'inf' are YAML strings float() reads
+    path = write(tmp_path, "target: t\n")
+    with pytest.raises(RecipeError, match=r"override 'optim.lr=.*' \(command line\): -?(nan|inf) is not a finite"):
+        load_recipe(path, [f"optim.lr={value}"], schema=Schema)
+
+
+def test_every_float_field_of_every_training_schema_refuses_nan():
+    from drafters.training.families import TRAINING_FAMILIES, load_recipe as load_family_recipe
+    from conftest import ROOT
+
+    checked = 0
+    for name, family in TRAINING_FAMILIES.items():
+        recipe = ROOT / "recipes" / f"{name}_tiny.yaml"
+        for key in float_fields(family.recipe):
+            with pytest.raises(RecipeError, match="is not a finite number"):
+                load_family_recipe([str(recipe), f"{key}=.nan"], family.script)
+            checked += 1
+    assert checked > 20  # the walk found the schemas' float fields (lr, step_weight, dflash.gamma, ...)

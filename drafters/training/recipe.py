@@ -8,6 +8,7 @@ wrong type. This module knows nothing about targets, drafters or training.
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -154,6 +155,8 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
                 return coerce(option, value, key)
             except RecipeError as err:
                 errors.append(str(err))
+        if len(errors) == 1:  # one option besides None (float | None): its own reason says more
+            raise RecipeError(errors[0])
         raise RecipeError(f"{key}: {value!r} fits none of {annotation}")
     if origin is typing.Literal:
         if isinstance(value, bool):  # YAML 1.1 reads unquoted no / off / yes / on as booleans
@@ -175,16 +178,25 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
     if annotation is Any:
         return value
     if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return finite(float(value), key)
     if annotation is float and isinstance(value, str):
         try:  # YAML 1.1 reads "3e-4" as a string; accept it as the float the user meant
-            return float(value)
+            number = float(value)
         except ValueError:
-            pass
+            number = None
+        if number is not None:
+            return finite(number, key)
     if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
         raise RecipeError(f"{key}: expected {annotation.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def finite(value: float, key: str) -> float:
+    # YAML reads .nan / .inf (and float() "nan", "inf") as floats: no recipe number means that
+    if not math.isfinite(value):
+        raise RecipeError(f"{key}: {value!r} is not a finite number; give a number such as 1e-4")
     return value
 
 
