@@ -16,6 +16,7 @@ so a missing build fails there instead of skipping) and the PyPI-shipped SmolLM2
 import json
 import os
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,6 +282,15 @@ def test_converter_failure_shows_its_message(tmp_path):
     (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
     with pytest.raises(LlamaCppError, match=r"(?s)converter failed.*Model NoSuchForCausalLM is not supported"):
         llama_cpp.convert(tmp_path / "model", tmp_path / "x.gguf", outtype="f32")
+
+
+def test_paths_starting_with_a_dash_are_paths_not_options(tiny, tmp_path, monkeypatch):
+    # '-x.gguf' reached llama.cpp's converter as an option ('--outfile: expected one argument'; issue 38, fault 11)
+    tiny.model.save_pretrained(tmp_path / "-target")
+    tiny.tokenizer.save_pretrained(tmp_path / "-target")
+    monkeypatch.chdir(tmp_path)
+    out = llama_cpp.convert(Path("-target"), Path("-target.gguf"), outtype="f32")
+    assert (tmp_path / "-target.gguf").is_file() and llama_cpp.gguf_facts(out).architecture == "llama"
 
 
 def test_a_drafter_for_another_target_is_refused_before_running(smollm2, drafters_for_smollm2, tiny, cache, tmp_path):

@@ -61,6 +61,11 @@ def available() -> bool:
 
 # ---- the converter ------------------------------------------------------------------------------
 
+def as_arg(path) -> str:
+    """A path as a command-line argument: absolute, so a name such as '-x.gguf' is never read as an option."""
+    return str(Path(path).absolute())
+
+
 def convert(model_dir: Path, out_file: Path, *, outtype: str, target_dir: Path | None = None,
             timeout: float = CONVERT_TIMEOUT_S) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on a Hugging Face layout directory -> out_file. A drafter
@@ -72,9 +77,9 @@ def convert(model_dir: Path, out_file: Path, *, outtype: str, target_dir: Path |
     if not script.is_file():
         tool("llama-server")  # raises the build message when the whole build is missing
         raise LlamaCppError(f"{script} is missing from the llama.cpp build; rebuild with `{BUILD_COMMAND}`")
-    command = [sys.executable, str(script), str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
+    command = [sys.executable, str(script), as_arg(model_dir), "--outfile", as_arg(out_file), "--outtype", outtype]
     if target_dir is not None:
-        command += ["--target-model-dir", str(target_dir)]
+        command += ["--target-model-dir", as_arg(target_dir)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(build_dir() / "src" / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     try:
@@ -156,7 +161,7 @@ def bench_forward_ms(model, sizes, *, depth: int = 128, threads: int = 1, repeti
     if not Path(model).is_file():
         raise LlamaCppError(f"{model}: no such GGUF file")
     sizes = sorted({int(n) for n in sizes})
-    command = [str(tool("llama-bench")), "-m", str(model), "-p", ",".join(map(str, sizes)), "-n", str(decode_tokens),
+    command = [str(tool("llama-bench")), "-m", as_arg(model), "-p", ",".join(map(str, sizes)), "-n", str(decode_tokens),
                "-d", str(depth), "-t", str(threads), "-r", str(repetitions), "-o", "json"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
@@ -226,13 +231,13 @@ class LlamaServer:
         self.process, self.port, self.log = None, None, None
 
     def command(self) -> list[str]:
-        command = [str(tool("llama-server")), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+        command = [str(tool("llama-server")), "-m", as_arg(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                    "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.ctx), "-np", str(self.slots),
                    "--no-webui", "--metrics"]  # -c is shared: each of the `slots` parallel requests gets ctx/slots
         if self.alias is not None:
             command += ["--alias", self.alias]  # the model name /v1/models reports
         if self.draft is not None:
-            command += ["--spec-draft-model", str(self.draft), "--spec-draft-threads", str(self.threads),
+            command += ["--spec-draft-model", as_arg(self.draft), "--spec-draft-threads", str(self.threads),
                         "--spec-draft-threads-batch", str(self.threads)]
         if self.spec_type is not None:
             command += ["--spec-type", self.spec_type]
