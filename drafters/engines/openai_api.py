@@ -14,6 +14,7 @@ import json
 import random
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, replace
 
@@ -50,6 +51,25 @@ class Reply:
     logprobs: tuple[float, ...] | None = None  # the server's log-probability of each generated token, likewise
 
 
+def origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port
+
+
+class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to url='s own scheme, host and port: the API key is never sent anywhere else
+    (urllib's default handler forwards every header, Authorization included, to wherever it is sent)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if origin(newurl) != origin(req.full_url):
+            raise ServerError(f"{req.full_url} answered HTTP {code}, redirecting to {newurl}: another host, not "
+                              "followed, so the API key is not sent there; set url= to the server that answers")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+OPENER = urllib.request.build_opener(SameOriginRedirects)
+
+
 class OpenAIServer:
     def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 300):
         url = url.rstrip("/")
@@ -63,7 +83,7 @@ class OpenAIServer:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data=data, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+            with OPENER.open(request, timeout=timeout or self.timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300].strip()
