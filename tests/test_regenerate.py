@@ -158,3 +158,43 @@ def test_a_second_run_into_the_same_output_is_refused(regenerate, tmp_path):
         holder.kill()
         holder.wait()
     assert run(regenerate, output, "limit=1").written == 1  # the holder is gone, and its lock with it
+
+
+def test_a_server_with_a_larger_vocabulary_is_refused_by_the_probe(regenerate, tmp_path):
+    # ids past the target's vocabulary crashed the probe with IndexError in the target's embedding (issue 38, fault 9)
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from drafters.engines.openai_api import ServerError
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def answer(self, out):
+            body = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # /v1/models: named like the target
+            self.answer({"data": [{"id": "tiny-random-llama"}]})
+
+        def do_POST(self):  # a reply in another tokenizer's ids: 300 and 70000 are past the tiny target's 259
+            self.rfile.read(int(self.headers["Content-Length"]))
+            content = [{"id": i, "logprob": -0.1} for i in (65, 300, 70000)]
+            self.answer({"choices": [{"text": "abc", "finish_reason": "length", "logprobs": {"content": content}}],
+                         "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ServerError, match=r"token ids \[300, 70000\] outside the target's vocabulary of 259"):
+            run(regenerate, tmp_path / "x.jsonl", f"url=http://127.0.0.1:{server.server_address[1]}",
+                "engine=auto", "retries=1", "backoff=0.01")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not (tmp_path / "x.jsonl").exists()

@@ -292,6 +292,11 @@ def probe(client: OpenAIServer, model: str, target, recipe: Recipe, where: str) 
         # the server's own ids where it says them (llama-server, vLLM); else the text re-tokenised, which is the
         # same for a real model's fluent text but not for a random one's
         ids = list(reply.token_ids or tokenizer(reply.text, add_special_tokens=False)["input_ids"])[:PROBE_TOKENS]
+        outside = [i for i in ids if not 0 <= i < target.vocab_size]
+        if outside:  # another tokenizer's ids: not the target (and they would index past its embedding)
+            raise ServerError(f"{where} serves {model!r}, whose reply to {question!r} holds token ids {outside[:3]} "
+                              f"outside the target's vocabulary of {target.vocab_size}: another model or tokenizer. "
+                              "Point url= at a server running the target")
         logits = target.model(torch.tensor([prompt + ids], device=target.device)).logits[0]  # (P + R, V)
         scored = logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)].float()  # (R, V): predicts ids[r]
         agree += sum(a == b for a, b in zip(scored.argmax(-1).tolist(), ids))
