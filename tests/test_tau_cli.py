@@ -94,6 +94,10 @@ def test_chain_tau_is_one_plus_the_sum_of_prefix_products():
     (["--tree", "dynamic:total=8,depth=3,topk=2", "--adaptive"], "--adaptive needs a chain"),
     (["--target", "no-such-target"], "unknown target 'no-such-target'"),
     (["--proposer", "draft-model:"], "draft-model needs a model"),
+    (["--tree", "chain:1100"], "--tree chain:1100 drafts 1100 tokens deep"),
+    # --tree auto skipped that check, then built and timed chain:2000 for minutes (issue 38, fault 8)
+    (["--tree", "auto", "--auto-candidates", "chain:2", "chain:2000"],
+     "--auto-candidates chain:2000 drafts 2000 tokens deep: with --max-new-tokens 4 that needs 2004 positions"),
 ])
 def test_bad_inputs_fail_clearly_and_leave_no_json(bench, tmp_path, extra, message):
     out = tmp_path / "out.json"

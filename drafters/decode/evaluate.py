@@ -151,7 +151,9 @@ def measure(args: Options) -> dict:
         device_used = str(device(args.device))
         target.model.to(device_used)
         sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
-        if tree is None:  # --tree auto
+        if tree is None:  # --tree auto: every candidate meets --tree's context check before any is timed
+            for spec in args.auto_candidates:
+                check_depth(f"--auto-candidates {spec}", parse_tree_spec(spec).depth, args.max_new_tokens, target)
             tree, auto = pick_tree(args, target, items, sampling)
             if tree is None:
                 return auto
@@ -174,10 +176,7 @@ def measure(args: Options) -> dict:
         raise EvaluationError(f"{error}") from None
     run = Run()
     depth = AdaptiveChain.max_depth if args.adaptive else tree.depth  # the deepest draft of any round
-    if depth + args.max_new_tokens >= target.max_position_embeddings:  # no prompt could fit: the tree's fault
-        raise EvaluationError(f"--tree {args.tree} drafts {depth} tokens deep: with --max-new-tokens "
-                         f"{args.max_new_tokens} that needs {depth + args.max_new_tokens} positions beyond the prompt, "
-                         f"and {target.name} has {target.max_position_embeddings}; use a shallower tree")
+    check_depth(f"--tree {args.tree}", depth, args.max_new_tokens, target)
     bar = tqdm(items, unit="item", desc="tau", dynamic_ncols=True)  # on stderr: stdout keeps the report
     for index, item in bar:
         evaluate_item(target, proposer, item, index, settings, sampling, depth, run)
@@ -225,6 +224,14 @@ def check_inputs(args):
             raise EvaluationError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/4")
         items = items[int(index)::int(count)]  # items keep their bench index, so their seeds too
     return tree, sampling, items
+
+
+def check_depth(what: str, depth: int, max_new_tokens: int, target) -> None:
+    # no prompt could fit: the tree's fault, said before anything runs
+    if depth + max_new_tokens >= target.max_position_embeddings:
+        raise EvaluationError(f"{what} drafts {depth} tokens deep: with --max-new-tokens {max_new_tokens} that needs "
+                              f"{depth + max_new_tokens} positions beyond the prompt, and {target.name} has "
+                              f"{target.max_position_embeddings}; use a shallower tree")
 
 
 def pick_tree(args, target, items, sampling):
