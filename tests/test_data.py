@@ -295,3 +295,42 @@ def test_dataset_name_goes_to_load_dataset(monkeypatch):
     conversations, _ = load_conversations("someorg/chats", split="train_sft")
     assert calls == [("someorg/chats", "train_sft")]
     assert (conversations[0].source, conversations[0].id) == ("someorg/chats", "chats:1")
+
+
+@pytest.mark.real  # MT-bench and HumanEval from their PyPI packages
+def test_rows_holding_evaluation_prompts_are_reported_by_id(tmp_path):
+    from drafters.training.contamination import eval_prompts
+
+    assert eval_prompts().missing == ()  # both benches installed by .ci/setup
+    hawaii = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+              "experiences and must-see attractions.")  # MT-bench question 81, turn 1
+    rows = [
+        {"id": "copied", "conversations": [{"role": "user", "content": "  " + hawaii.upper() + "\n"},
+                                           {"role": "assistant", "content": "Aloha!"}]},
+        # eight words in a row of it, inside a longer request of the user's own
+        {"id": "reworded", "conversations": [
+            {"role": "user", "content": "Please, for my class: an engaging travel blog post about a recent trip to "
+                                        "Hawaii, but short."}, {"role": "assistant", "content": "Sure."}]},
+        # the answer may quote a bench; only user turns count
+        {"id": "clean", "conversations": [{"role": "user", "content": "Tell me about islands."},
+                                          {"role": "assistant", "content": hawaii}]},
+        {"id": "seven-words", "conversations": [
+            {"role": "user", "content": "an engaging travel blog post about a"},  # 7 words: no match
+            {"role": "assistant", "content": "ok"}]},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conversations, report = load_conversations(str(path))
+    assert len(conversations) == 4  # said, not dropped
+    assert report.contamination.startswith("holds evaluation prompts: 2 rows (1 exact, 1 sharing 8 words in a row, "
+                                           "which may be a stock phrase), e.g. copied (exact mt_bench:81), "
+                                           "reworded (8-gram mt_bench:81)")
+    assert f"warning: {path} holds evaluation prompts: 2 rows" in report.summary()
+
+
+def test_clean_data_says_nothing_about_evaluation_prompts(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"conversations": [{"role": "user", "content": "Name a fruit."},
+                                                  {"role": "assistant", "content": "A pear."}]}) + "\n")
+    _, report = load_conversations(str(path))
+    assert report.contamination is None and "evaluation prompts" not in report.summary()

@@ -30,6 +30,7 @@ import jinja2
 import torch
 
 from drafters.errors import UserError
+from drafters.training import contamination
 
 FORMATS = ("auto", "sharegpt", "openai", "text", "prompt")
 ROLES = {
@@ -89,6 +90,7 @@ class SkipReport:
     examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> ["file:row: detail"]
     truncated: int = 0                                            # rows kept but cut to max_length
     max_examples: int = 3
+    contamination: str | None = None                              # drafters.training.contamination's line
 
     def skip(self, reason: str, where: str, detail: str) -> None:
         self.skipped[reason] += 1
@@ -102,6 +104,8 @@ class SkipReport:
         for reason, count in self.skipped.most_common():
             lines.append(f"  skipped {count} x {reason}, e.g.")
             lines.extend(f"    {example}" for example in self.examples[reason])
+        if self.contamination:
+            lines.append(f"  warning: {self.source} {self.contamination}")
         return "\n".join(lines)
 
 
@@ -136,6 +140,9 @@ def load_conversations(path_or_name: str, *, split: str = "train", fmt: str = "a
     report.kept = len(conversations)
     if not conversations:
         raise DataError(f"no usable rows left (fmt={fmt}):\n{report.summary()}")
+    report.contamination = contamination.describe(contamination.find(
+        (c.id, [m["content"] for m in c.messages if m["role"] == "user" and isinstance(m["content"], str)])
+        for c in conversations))
     return conversations, report
 
 
