@@ -384,6 +384,42 @@ def test_the_server_is_stopped_on_error_and_a_bad_model_says_why(tiny, cache, tm
             pass
 
 
+def test_a_port_another_server_holds_is_not_taken_for_ours(tiny, cache, monkeypatch):
+    # LlamaServer took any /health answer on its port as its own: with the port taken between picking and binding,
+    # its llama-server exited 1 and completions came from the other server (issue 38, fault 4)
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Other(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"status": "ok", "model_path": "/somebody/else.gguf"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken, real_free_port = other.server_address[1], llama_cpp.free_port
+    target_file = target_gguf(tiny, "f32", cache_dir=cache)
+    try:
+        picks = iter([taken])
+        monkeypatch.setattr(llama_cpp, "free_port", lambda: next(picks, None) or real_free_port())
+        with LlamaServer(target_file) as server:  # the first pick is taken: the second port is ours
+            assert server.port != taken and server.complete(prompts(tiny)[0], 2).tokens
+        monkeypatch.setattr(llama_cpp, "free_port", lambda: taken)
+        with pytest.raises(LlamaCppError, match=rf"another server answers on port {taken} \(serving "
+                                                r"/somebody/else.gguf\) \(tried 3 ports\)"):
+            with LlamaServer(target_file, ready_timeout=60):
+                pass
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
 def test_the_server_dies_with_the_process_that_started_it(tiny, cache, tmp_path):
     import signal
     import subprocess

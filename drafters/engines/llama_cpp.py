@@ -206,6 +206,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(Exception):
+    """Another process answers on the port picked for a new llama-server (LlamaServer tries another)."""
+
+
+PORT_ATTEMPTS = 3
+
+
 class LlamaServer:
     """`with LlamaServer(model, draft=..., spec_type="draft-eagle3", n_max=3) as server:` a llama-server
     on a free loopback port, ready when the block starts and stopped when it ends (its whole process
@@ -253,17 +260,22 @@ class LlamaServer:
         for path in (self.model, self.draft):
             if path is not None and not Path(path).is_file():
                 raise LlamaCppError(f"{path}: no such GGUF file")
-        self.port = free_port()
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
-        self.process = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(PORT_ATTEMPTS):  # the port is free when picked, not necessarily when bound
+            self.port = free_port()
+            self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+            self.process = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
+            try:
+                self._wait_ready()
+                return self
+            except PortTaken as taken:
+                self.stop()
+                if attempt + 1 == PORT_ATTEMPTS:
+                    raise LlamaCppError(f"{taken} (tried {PORT_ATTEMPTS} ports)") from None
+            except BaseException:
+                self.stop()
+                raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -272,16 +284,30 @@ class LlamaServer:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self._answering() is not None:  # it lost the port to a server that was there first
+                    raise PortTaken(f"another server answers on port {self.port}")
                 raise LlamaCppError(f"llama-server exited with status {self.process.returncode} before it was "
                                     f"ready ({' '.join(self.command()[1:])}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            serving = self._answering()
+            if serving is not None:
+                # ours only if it serves the model path we passed and our process is the one alive
+                if serving != as_arg(self.model):
+                    raise PortTaken(f"another server answers on port {self.port} (serving {serving})")
+                if self.process.poll() is None:
+                    return
             time.sleep(0.25)
         raise LlamaCppError(f"llama-server was not ready within {self.ready_timeout:.0f} s:\n{self.log_tail()}")
+
+    def _answering(self) -> str | None:
+        """The model path the server on our port reports once it is ready (/health, then /props), else None."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                if response.status != 200:
+                    return None
+            with urllib.request.urlopen(f"{self.url}/props", timeout=5) as response:
+                return str(json.loads(response.read()).get("model_path"))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            return None
 
     @property
     def url(self) -> str:
