@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -193,17 +194,22 @@ class Completion:
 
 
 def _die_with_parent() -> None:
-    # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL (no orphan)
+    # Linux: the server is killed when the process that started it dies, even by SIGKILL (no orphan). SIGKILL, not
+    # SIGTERM: llama-server with a request in flight ignored SIGTERM for seconds and went on answering
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 class PortTaken(Exception):
@@ -235,7 +241,7 @@ class LlamaServer:
         self.p_min = p_min
         self.exact, self.slots, self.alias = exact, slots, alias
         self.threads, self.ctx, self.extra, self.ready_timeout = threads, ctx, tuple(extra), ready_timeout
-        self.process, self.port, self.log = None, None, None
+        self.process, self.port, self.log, self.previous_sigterm = None, None, None, None
 
     def command(self) -> list[str]:
         command = [str(tool("llama-server")), "-m", as_arg(self.model), "--host", "127.0.0.1", "--port", str(self.port),
@@ -260,9 +266,17 @@ class LlamaServer:
         for path in (self.model, self.draft):
             if path is not None and not Path(path).is_file():
                 raise LlamaCppError(f"{path}: no such GGUF file")
+        self._stop_on_sigterm()
+        try:
+            return self._start()
+        except BaseException:
+            self._restore_sigterm()
+            raise
+
+    def _start(self) -> "LlamaServer":
         for attempt in range(PORT_ATTEMPTS):  # the port is free when picked, not necessarily when bound
             self.port = free_port()
-            self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+            self.log = tempfile.TemporaryFile()  # no name: nothing is left behind, whatever ends this process
             self.process = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=_die_with_parent)
@@ -279,6 +293,7 @@ class LlamaServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        self._restore_sigterm()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
@@ -297,6 +312,19 @@ class LlamaServer:
                     return
             time.sleep(0.25)
         raise LlamaCppError(f"llama-server was not ready within {self.ready_timeout:.0f} s:\n{self.log_tail()}")
+
+    def _stop_on_sigterm(self) -> None:
+        # SIGTERM's default action ends Python without unwinding, so no `with` block stopped the server: while one
+        # runs, a SIGTERM the program leaves at its default raises SystemExit(143) instead (main thread only)
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self.previous_sigterm = signal.SIG_DFL
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            self.previous_sigterm = None
 
     def _answering(self) -> str | None:
         """The model path the server on our port reports once it is ready (/health, then /props), else None."""
@@ -319,7 +347,9 @@ class LlamaServer:
     def log_tail(self, lines: int = 15) -> str:
         if self.log is None:
             return ""
-        text = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        self.log.flush()
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace").strip().splitlines()
         return "\n".join(text[-lines:])
 
     def post(self, path: str, body: dict, timeout: float = 600) -> dict:
@@ -356,5 +386,4 @@ class LlamaServer:
                 pass
         if self.log is not None:
             self.log.close()
-            Path(self.log.name).unlink(missing_ok=True)
             self.log = None
