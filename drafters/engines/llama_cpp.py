@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from drafters.errors import UserError
@@ -193,13 +194,15 @@ class Completion:
     draft_accepted: int
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     # Linux: the server is killed when the process that started it dies, even by SIGKILL (no orphan). SIGKILL, not
     # SIGTERM: llama-server with a request in flight ignored SIGTERM for seconds and went on answering
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before prctl took effect: nobody would signal us
+            os._exit(1)
 
 
 def free_port() -> int:
@@ -279,7 +282,7 @@ class LlamaServer:
             self.log = tempfile.TemporaryFile()  # no name: nothing is left behind, whatever ends this process
             self.process = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=partial(_die_with_parent, os.getpid()))
             try:
                 self._wait_ready()
                 return self
