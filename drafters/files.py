@@ -23,6 +23,36 @@ class InUseError(UserError):
     pass
 
 
+class OutputError(UserError):
+    """An output that cannot be written, found before any work is done: the message names the path."""
+
+
+def check_writable(path, what: str, *, directory: bool) -> Path:
+    """Refuse, before any work, an output that cannot be written: `path` is a directory to write into, or a file.
+    Creates nothing: the nearest folder that exists must be a directory where a file can be created (tried with a
+    temporary file, so it holds for root too). A file path that is a directory, a folder that is a file, or a
+    read-only location raises OutputError naming `what` and the path."""
+    path = Path(path)
+    if not directory and path.is_dir():
+        raise OutputError(f"{what} {path} is a directory; give a file path")
+    folder = path if directory else path.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"{what} {path} cannot be written (Not a directory: {existing} is a file); choose "
+                          "another location")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise OutputError(f"{what} {path} cannot be written ({err.strerror or err}); choose a writable "
+                          "location") from None
+    if not directory and path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"{what} {path} exists and is read-only; choose another path or make it writable")
+    return path
+
+
 def hold_lock(path, what: str) -> None:
     """Take the exclusive lock `path` (created; it records our PID) for the rest of this process, so that two
     runs started at once never write into one place: the second is refused, naming the holder's PID. The lock

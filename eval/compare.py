@@ -32,15 +32,16 @@ import re
 import sys
 from pathlib import Path
 
-from drafters.decode.evaluate import Options, measure  # what eval/tau.py runs, in this process
-from drafters.errors import UserError
 from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, CheckpointError, target_info
+from drafters.decode.evaluate import Options, measure  # what eval/tau.py runs, in this process
 from drafters.decode.proposers.loading import CHECKPOINT_LOADERS, load_proposer, proposer_sha256, split_drafter_spec
 from drafters.decode.report import Entry, render
-from drafters.export.reading import ExportCheckError
-from drafters.export.common import MARKER
-from drafters.targets import load_target
 from drafters.decode.tree import parse_tree_spec
+from drafters.errors import UserError
+from drafters.export.common import MARKER
+from drafters.export.reading import ExportCheckError
+from drafters.files import check_writable
+from drafters.targets import load_target
 
 
 def parse_args(argv):
@@ -86,6 +87,10 @@ class BrokenDrafter(Exception):
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    try:
+        check_writable(args.out, "--out", directory=True)  # before any drafter is measured
+    except UserError as error:
+        raise SystemExit(f"compare: {error}") from None
     entries, failed = [], []
     for spec in args.drafters:
         try:

@@ -26,12 +26,12 @@ import argparse
 import sys
 
 from drafters.checkpoint import CheckpointError
+from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError
 from drafters.export.common import EXPORT_DTYPE_SPELLINGS, ExportError, describe
 from drafters.export.dispatch import FORMATS, export_checkpoint
 from drafters.export.reading import ExportCheckError
-from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError
+from drafters.files import OutputError
 from drafters.targets import TargetError, load_target
-
 
 LLAMA_CPP_ONLY = OUTTYPES  # GGUF types (--format llama.cpp)
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         result = export_checkpoint(args.checkpoint, args.format, args.out, target=target,
                                    dtype=args.dtype, speculative_tokens=args.speculative_tokens,
                                    verifier=args.verifier, overwrite=args.overwrite)
-    except (ExportError, ExportCheckError, CheckpointError, TargetError, LlamaCppError) as err:
+    except (ExportError, ExportCheckError, CheckpointError, TargetError, LlamaCppError, OutputError) as err:
         print(f"export failed, nothing written to {args.out}:\n{err}", file=sys.stderr)
         return 1
     print(describe(result))

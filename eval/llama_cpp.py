@@ -33,8 +33,16 @@ from pathlib import Path
 
 from drafters.checkpoint import CheckpointError
 from drafters.decode.benches import BenchError, load_bench, render_prompt
-from drafters.decode.engine_bench import (NEVER_DRAFT, PLAIN, Mode, break_even_tau, format_rows, run_modes,
-                                          step_cost_ms, summarize)
+from drafters.decode.engine_bench import (
+    NEVER_DRAFT,
+    PLAIN,
+    Mode,
+    break_even_tau,
+    format_rows,
+    run_modes,
+    step_cost_ms,
+    summarize,
+)
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.referee import parting, referee
 from drafters.decode.tree import parse_tree_spec
@@ -42,6 +50,7 @@ from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError, LlamaServer, ben
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.llama_cpp import MANIFEST, TARGET_WEIGHTS, target_gguf
+from drafters.files import check_writable
 from drafters.targets import TargetError, load_target
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -96,6 +105,10 @@ def check_args(args) -> tuple[list[str], list[float], list[str]]:
         raise ValueError("a --drafter is given twice: give each once, with all its draft lengths after one @ "
                          "(DIR@1,2,3)")
     ngrams = [t for t in filter(None, args.ngram.split(",")) if check_ngram(t)]
+    if args.json:
+        check_writable(args.json, "--json", directory=False)
+    if args.drafter:
+        check_writable(args.exports, "--exports", directory=True)
     if args.offset < 0 or args.limit < 1:
         raise ValueError(f"--offset {args.offset} --limit {args.limit}: the offset must be >= 0 and the limit >= 1")
     if args.step_cost and not args.drafter:

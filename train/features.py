@@ -18,6 +18,7 @@ one feature.
 
 import torch
 
+from drafters.files import check_writable
 from drafters.targets import load_target
 from drafters.training.data import build_examples
 from drafters.training.eagle3 import EagleRecipe
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> dict:
     if not recipe.features.dir:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/eagle.py streams from it when the recipe sets it)")
+    check_writable(recipe.features.dir, "features.dir=", directory=True)  # before the target loads
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     processes, device = launched_processes()

@@ -47,16 +47,16 @@ import torch
 from tqdm import tqdm
 
 from drafters.acceptance import geometric_chain_tau
-from drafters.errors import UserError
-from drafters.files import write_text_atomic
 from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.decode.decoder import RoundStats, speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.loading import load_proposer, proposer_sha256
 from drafters.decode.sampling import SamplingConfig
-from drafters.targets import load_target
 from drafters.decode.tree import ChainSpec, parse_tree_spec
+from drafters.errors import UserError
+from drafters.files import check_writable, write_text_atomic
+from drafters.targets import load_target
 
 
 class EvaluationError(UserError):
@@ -206,6 +206,8 @@ def check_inputs(args):
         if value < 1:  # 0 used to calibrate on every prompt, or to skip every candidate and then predict anyway
             raise EvaluationError(f"{option} must be >= 1, got {value}")
     args.tree_auto = None
+    if args.json:
+        check_writable(args.json, "--json", directory=False)  # before any model loads
     try:
         tree = None if args.tree == "auto" else parse_tree_spec(args.tree)
         for spec in args.auto_candidates if tree is None else []:

@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
 from drafters.dtypes import dtype_name, spellings
-from drafters.export.reading import check_finite
-from drafters.files import move_dir_into_place
 from drafters.errors import UserError
+from drafters.export.reading import check_finite
+from drafters.files import check_writable, move_dir_into_place
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EXPORT_DTYPES = ("float32", "bfloat16")  # what engines load; drafters.dtypes names
@@ -82,7 +82,9 @@ MARKER = ".drafters-export.json"
 
 
 def check_out_dir(out_dir: Path, source, overwrite: bool) -> None:
-    """Raises ExportError unless out_dir is free or (overwrite) replaceable; deletes nothing."""
+    """Raises ExportError unless out_dir is free or (overwrite) replaceable; deletes nothing. Its folder must be
+    writable (OutputError): the export is staged beside out_dir and moved into place."""
+    check_writable(Path(out_dir).parent, f"--out {out_dir}: its folder", directory=True)
     if not out_dir.exists() and not out_dir.is_symlink():
         return
     if not overwrite:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from drafters.checkpoint import CheckpointError, check_target, damage, save_checkpoint, step_checkpoints
 from drafters.errors import UserError
-from drafters.files import data_sha256, disk_full, hold_lock
+from drafters.files import check_writable, data_sha256, disk_full, hold_lock
 from drafters.training.recipe import RecipeError
 
 
@@ -44,6 +44,7 @@ def claim_output_dir(recipe, accelerator) -> None:
     The main process first locks output_dir for the run's life (.run.lock): a second run started into it,
     even at the same moment, is refused with the first one's PID."""
     if accelerator.is_main_process:
+        check_writable(recipe.output_dir, "output_dir=", directory=True)
         hold_lock(Path(recipe.output_dir) / LOCK_FILE, f"output_dir={recipe.output_dir}")
     found = earlier_run_files(recipe.output_dir)
     if not found:

@@ -48,10 +48,10 @@ from drafters.dtypes import DtypeName
 from drafters.engines import llama_cpp
 from drafters.engines.openai_api import OpenAIServer, Rejected, RowFailure, ServerError, with_retries
 from drafters.export.llama_cpp import TARGET_WEIGHTS, target_gguf
-from drafters.files import hold_lock
+from drafters.files import check_writable, hold_lock
+from drafters.targets import load_target
 from drafters.training.data import DataError, RowError, load_conversations, render
 from drafters.training.recipe import RecipeError
-from drafters.targets import load_target
 
 PROBE_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
                    "Explain recursion in one sentence.")
@@ -114,6 +114,7 @@ def regenerate(recipe: Recipe, stats: Stats) -> Stats:
     """Every conversation of recipe.data not yet in recipe.output, answered by the engine the recipe chooses,
     counted into `stats` as it goes (so a caller interrupted by Ctrl-C still knows what was written)."""
     check(recipe)
+    check_writable(recipe.output, "output=", directory=False)  # before the target, the server and the probe
     engine = choose_engine(recipe)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
