@@ -30,6 +30,7 @@ from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.engines import llama_cpp
 from drafters.engines.llama_cpp import LlamaServer
 from drafters.engines.openai_api import ServerError
+from drafters.training.regenerate import TOO_LONG_FOR_SERVER, Incomplete
 from drafters.export.llama_cpp import target_gguf
 from drafters.targets import load_target
 
@@ -252,7 +253,9 @@ def test_faulty_server_rows_are_retried_counted_and_never_garbage(regenerate, ti
         run(regenerate, target, data, clean, f"url={server.url}", "concurrency=2")
         output = tmp_path / "regen.jsonl"
         with FaultyProxy(server.url, tokenizer, plan, hang=4) as proxy:
-            stats = run(regenerate, target, data, output, f"url={proxy.url}", "concurrency=2")
+            with pytest.raises(Incomplete, match="2 conversations were given up") as incomplete:  # exit status 3
+                run(regenerate, target, data, output, f"url={proxy.url}", "concurrency=2")
+        stats = incomplete.value.stats
         assert dict(stats.retried) == {"HTTP 500": 3, "malformed JSON": 1, "empty reply": 1, "timeout": 1}
         assert dict(stats.given_up) == {"HTTP 500": 1, "HTTP 400": 1}  # 3 tries of "hi.", one of "fox" (rejected)
         assert sorted(stats.given_up_ids) == ["q4", "q5"] and stats.written == len(QUESTIONS) - 2
@@ -264,6 +267,40 @@ def test_faulty_server_rows_are_retried_counted_and_never_garbage(regenerate, ti
     assert stats.written == 2 and stats.resumed == len(QUESTIONS) - 2
     assert {i: r["conversations"] for i, r in rows_by_id(output).items()} == \
         {i: r["conversations"] for i, r in expected.items()}
+
+
+def test_a_server_that_hangs_stops_the_run_early_with_a_non_zero_exit(regenerate, tiny, data, tmp_path):
+    # a server that accepts connections but answers nothing was tried until every conversation timed out, exit 0
+    # (issue 38, fault 2): three conversations in a row timing out after their retries stop the run
+    target, gguf, _ = tiny
+    tokenizer = load_target(str(target)).tokenizer
+    plan = {q.split()[-1]: ["timeout"] * 4 for q in QUESTIONS}  # every conversation hangs, the probe's do not
+    output = tmp_path / "regen.jsonl"
+    with LlamaServer(gguf, ready_timeout=60, alias=target.name) as server:
+        with FaultyProxy(server.url, tokenizer, plan, hang=3) as proxy:
+            start = time.monotonic()
+            with pytest.raises(ServerError, match=r"stopped answering: 3 conversations in a row timed out \("
+                                                  r"request_timeout=1.0 s, 1 retries each\); 0 rows were written"):
+                run(regenerate, target, data, output, f"url={proxy.url}", "concurrency=1", "request_timeout=1",
+                    "retries=1")
+    assert time.monotonic() - start < 30  # not len(QUESTIONS) conversations' timeouts
+
+
+def test_a_turn_longer_than_the_servers_context_ends_its_conversation_counted(regenerate, tiny, tmp_path):
+    # HTTP 400 "exceeds the available context size" dropped the whole conversation, its answered first turn too,
+    # with advice to re-run that cannot help (issue 38, fault 2): the conversation ends before that turn, counted
+    target, gguf, _ = tiny
+    long_turn = "Summarise this: " + "the quick brown fox jumps over the lazy dog " * 40  # ~400 tokens
+    data = tmp_path / "two_turns.jsonl"
+    data.write_text(json.dumps({"id": "c0", "conversations": [{"role": "user", "content": "Say hi."},
+                                                              {"role": "user", "content": long_turn}]}) + "\n"
+                    + json.dumps({"id": "c1", "prompt": "Name a colour."}) + "\n")
+    output = tmp_path / "regen.jsonl"
+    with LlamaServer(gguf, ready_timeout=60, alias=target.name, ctx=160) as server:  # one slot of 160 tokens
+        stats = run(regenerate, target, data, output, f"url={server.url}", "fmt=auto")
+    assert stats.written == 2 and not stats.given_up and stats.skipped[TOO_LONG_FOR_SERVER] == 1
+    rows = rows_by_id(output)
+    assert [m["role"] for m in rows["c0"]["conversations"]] == ["user", "assistant"]  # the first turn is kept
 
 
 def test_a_server_serving_another_model_is_refused(regenerate, tiny, data, tmp_path):

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from drafters.training.recipe import load_recipe, run_main
-from drafters.training.regenerate import Recipe, Stats, regenerate
+from drafters.training.regenerate import Incomplete, Recipe, Stats, regenerate
 
 
 def main(argv: list[str]) -> Stats:
@@ -49,6 +49,9 @@ def main(argv: list[str]) -> Stats:
             "seconds": stats.seconds, "tokens_per_s": stats.tokens_per_second(), "cut": stats.cut,
             "skipped": dict(stats.skipped), "retried": dict(stats.retried), "given_up": dict(stats.given_up),
             "given_up_ids": stats.given_up_ids}, indent=1))
+    if stats.given_up:  # a partial set must not pass for a whole one (train/quickstart.py stops on the status)
+        raise Incomplete(f"{sum(stats.given_up.values())} conversations were given up and are not in "
+                         f"{recipe.output} (see above); re-run the same command to try them again", stats)
     return stats
 
 

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from drafters.dtypes import DtypeName
 from drafters.engines import llama_cpp
 from drafters.engines.openai_api import OpenAIServer, Rejected, RowFailure, ServerError, with_retries
+from drafters.errors import UserError
 from drafters.export.llama_cpp import TARGET_WEIGHTS, target_gguf
 from drafters.files import check_writable, hold_lock
 from drafters.targets import load_target
@@ -356,8 +357,10 @@ def run_server(client: OpenAIServer, target, todo, recipe: Recipe, output: Path,
         thread.start()
     try:
         with open(output, "a", encoding="utf-8") as out, tqdm(total=len(todo), unit="conv") as bar:
+            timeouts = 0  # conversations given up in a row after timing out
             for _ in range(len(todo)):
                 conversation, result = next_result(results, alive, where, log_tail, stats)
+                timeouts = timeouts + 1 if isinstance(result, RowFailure) and result.reason == "timeout" else 0
                 if isinstance(result, RowFailure):
                     with stats.lock:
                         stats.given_up[result.reason] += 1
@@ -365,6 +368,11 @@ def run_server(client: OpenAIServer, target, todo, recipe: Recipe, output: Path,
                     if result.reason == "connection" and not reachable(client):
                         raise ServerError(f"{where} stopped answering ({result}); {stats.written} rows were written "
                                           f"to {output}: re-run the same command to continue where it stopped")
+                    if timeouts >= GONE_AFTER_TIMEOUTS:  # it accepts connections, answers nothing: a hung server
+                        raise ServerError(f"{where} stopped answering: {timeouts} conversations in a row timed out "
+                                          f"(request_timeout={recipe.request_timeout} s, {recipe.retries} retries each); "
+                                          f"{stats.written} rows were written to {output}: re-run the same command to "
+                                          "continue where it stopped once the server answers")
                 elif isinstance(result, BaseException):
                     raise result
                 elif result is not None:
@@ -377,6 +385,20 @@ def run_server(client: OpenAIServer, target, todo, recipe: Recipe, output: Path,
                 bar.set_postfix_str(f"{stats.tokens_per_second():.1f} tok/s, {sum(stats.given_up.values())} given up")
     finally:
         stop.set()  # workers finish the request in flight and take no new one; they are daemons besides
+
+
+class Incomplete(UserError):
+    """A run that ended with conversations given up (not written): the rows it did write are whole and kept."""
+
+    exit_code = 3
+    label = "incomplete"
+
+    def __init__(self, message: str, stats: "Stats"):
+        super().__init__(message)
+        self.stats = stats  # what the run did, as a complete run returns it
+
+
+GONE_AFTER_TIMEOUTS = 3  # conversations in a row that timed out after their retries: the server is gone
 
 
 def next_result(results: queue.Queue, alive, where: str, log_tail, stats: Stats):
@@ -395,6 +417,16 @@ def reachable(client: OpenAIServer) -> bool:
         return True
     except RowFailure:
         return False
+
+
+TOO_LONG_FOR_SERVER = "prompt longer than the server's context (conversation ends before it)"
+# what servers say when a prompt does not fit (llama-server, vLLM, SGLang, OpenAI)
+CONTEXT_MESSAGES = ("exceed the available context", "exceeds the available context", "context size",
+                    "maximum context length", "context length", "longer than the maximum")
+
+
+def too_long(err: Rejected) -> bool:
+    return err.reason in ("HTTP 400", "HTTP 413") and any(m in err.detail.lower() for m in CONTEXT_MESSAGES)
 
 
 def converse(client: OpenAIServer, model: str, target, conversation, recipe: Recipe, stats: Stats, stop):
@@ -417,8 +449,15 @@ def converse(client: OpenAIServer, model: str, target, conversation, recipe: Rec
             with stats.lock:
                 stats.retried[err.reason] += 1
 
-        reply = with_retries(lambda: ask(client, model, recipe, target, messages, prompt, settings),
-                             retries=recipe.retries, backoff=recipe.backoff, stop=stop.is_set, on_retry=retried)
+        try:
+            reply = with_retries(lambda: ask(client, model, recipe, target, messages, prompt, settings),
+                                 retries=recipe.retries, backoff=recipe.backoff, stop=stop.is_set, on_retry=retried)
+        except Rejected as err:
+            if not too_long(err):
+                raise
+            with stats.lock:  # a re-run gets the same answer: the conversation ends before this turn, counted
+                stats.skipped[TOO_LONG_FOR_SERVER] += 1
+            break
         turn += 1
         history += turns + [{"role": "assistant", "content": reply.text}]
         tokens += reply.completion_tokens
