@@ -18,21 +18,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-import urllib.request
+from conftest import load_script  # tests/ is on sys.path under pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.engines import llama_cpp
 from drafters.engines.llama_cpp import LlamaServer
 from drafters.engines.openai_api import ServerError
-from drafters.training.regenerate import TOO_LONG_FOR_SERVER, Incomplete
 from drafters.export.llama_cpp import target_gguf
 from drafters.targets import load_target
+from drafters.training.regenerate import TOO_LONG_FOR_SERVER, Incomplete
 
 if not llama_cpp.available() and not os.environ.get("DRAFTERS_REQUIRE_LLAMA_CPP"):
     pytest.skip("no llama.cpp build: bash .ci/llama-cpp", allow_module_level=True)
