@@ -128,6 +128,15 @@ def file_sha256(path) -> str:
     return digest.hexdigest()
 
 
+def drafter_sha256(path) -> str:
+    """Content of a drafter directory (a checkpoint or an export): its top-level .json and .safetensors files. What
+    a cached result or a reused export must agree on, since a checkpoint can change under the same path."""
+    path = Path(path)
+    names = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
+             and p.suffix in (".json", ".safetensors")]
+    return dir_sha256(path, names)
+
+
 def dir_sha256(path, names=None) -> str:
     """sha256 over (relative path, bytes) of every file under path, sorted; names: only these
     relative paths (a missing one counts as empty, under its own name)."""

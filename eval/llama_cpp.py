@@ -50,7 +50,7 @@ from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError, LlamaServer, ben
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.llama_cpp import MANIFEST, TARGET_WEIGHTS, target_gguf
-from drafters.files import check_writable
+from drafters.files import check_writable, drafter_sha256
 from drafters.targets import TargetError, load_target
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -203,15 +203,29 @@ def parse_lengths(spec: str, text: str) -> list[int | None]:
     return lengths
 
 
+def exported_for(checkpoint: Path, dtype: str, target, exports: Path) -> Path:
+    """The llama.cpp export of exactly this checkpoint's content: named by its sha256, and reused only when its
+    manifest records that same content (a checkpoint retrained in place, or another run's at a path ending in
+    the same two names, gets its own export instead of an earlier one's)."""
+    sha = drafter_sha256(checkpoint)
+    export_dir = exports / f"{checkpoint.parent.name}-{checkpoint.name}-{dtype}-{sha[:12]}"
+    manifest = json.loads((export_dir / MANIFEST).read_text()) if (export_dir / MANIFEST).is_file() else {}
+    if manifest.get("source_sha256") == sha:
+        return export_dir
+    if manifest:
+        print(f"re-exporting {checkpoint}: {export_dir} was made from other content")
+    else:
+        print(f"exporting {checkpoint} (sha256 {sha[:12]}) for llama.cpp into {export_dir}")
+    export_checkpoint(checkpoint, "llama.cpp", export_dir, target=target, dtype=dtype, overwrite=bool(manifest))
+    return export_dir
+
+
 def prepare_drafters(spec: str, target, target_file, args, dtype: str, p_mins: list[float], tag_dtype: bool) -> list[dict]:
     """One mode per (draft length, p_min) of one drafter GGUF, exported from a checkpoint when needed. The referee
     runs once per draft length, on the p_min 0 mode: our decoder drafts the whole chain."""
     path, _, n = spec.partition("@")
     lengths, path = parse_lengths(spec, n), Path(path)
-    export_dir = path if (path / MANIFEST).is_file() else Path(args.exports) / f"{path.parent.name}-{path.name}-{dtype}"
-    if not (export_dir / MANIFEST).is_file():
-        print(f"exporting {path} for llama.cpp into {export_dir}")
-        export_checkpoint(path, "llama.cpp", export_dir, target=target, dtype=dtype)
+    export_dir = path if (path / MANIFEST).is_file() else exported_for(path, dtype, target, Path(args.exports))
     manifest = json.loads((export_dir / MANIFEST).read_text())
     drafter_file = export_dir / manifest["drafter"]
     check_pair(target_file, drafter_file)

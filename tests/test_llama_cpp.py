@@ -300,6 +300,38 @@ def test_a_drafter_for_another_target_is_refused_before_running(smollm2, drafter
         check_pair(target_gguf(tiny, "f32", cache_dir=cache), tmp_path / "gguf" / "drafter-f32.gguf")
 
 
+def test_an_export_is_reused_only_for_the_checkpoint_content_it_was_made_from(tiny, drafters_for_tiny, cache,
+                                                                             tmp_path, capsys):
+    # eval/llama_cpp.py reused any export folder named <parent>-<name>-<dtype>: after a checkpoint was retrained in
+    # place it benchmarked the old GGUF, and another run's checkpoint at a path ending alike was reported as this
+    # one (issue 38, fault 1)
+    import argparse
+    import shutil
+
+    from conftest import load_script
+    from safetensors.torch import load_file, save_file
+
+    script = load_script("eval/llama_cpp.py")
+    args = argparse.Namespace(exports=str(tmp_path / "exports"), export_dtype="f32")
+    target_file = target_gguf(tiny, "f32", cache_dir=cache)
+    checkpoint = tmp_path / "run" / "checkpoint-final"
+    shutil.copytree(drafters_for_tiny["eagle3"], checkpoint)
+
+    def drafter_file():
+        modes = script.prepare_drafters(str(checkpoint), tiny, target_file, args, "f32", [0.0], False)
+        return modes[0]["mode"].draft
+
+    first = drafter_file()
+    assert drafter_file() == first and capsys.readouterr().out.count("exporting") == 1  # reused, same content
+    weights = load_file(checkpoint / "model.safetensors")  # retrained in place: same path, other weights
+    save_file({k: v + 0.1 if v.is_floating_point() else v for k, v in weights.items()}, checkpoint / "model.safetensors")
+    second = drafter_file()
+    assert second != first and "exporting" in capsys.readouterr().out
+    assert json.loads((second.parent / "llama-cpp.json").read_text())["source_sha256"] != \
+        json.loads((first.parent / "llama-cpp.json").read_text())["source_sha256"]
+    assert second.read_bytes() != first.read_bytes()
+
+
 # ---------------------------------------------------------------- SmolLM2: the shipped Q4_1 file and F32
 
 

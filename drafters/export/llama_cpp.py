@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 
 from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError, convert, gguf_facts
-from drafters.targets import cache_root, source_gguf
 from drafters.export.common import ExportError, ExportResult, check_out_dir, exported_files, load_source, write_staged
+from drafters.files import drafter_sha256
+from drafters.targets import cache_root, source_gguf
 
 MANIFEST = "llama-cpp.json"
 
@@ -148,6 +149,7 @@ def export_llama_cpp(ckpt_dir, out_dir, *, target, export_checkpoint, dtype: str
                 raise ExportError(str(err)) from None
         report = check_gguf(payload / name, ckpt, outtype)
         manifest = {"family": ckpt.family, "drafter": name, "outtype": outtype,
+                    "source": str(Path(ckpt_dir).resolve()), "source_sha256": drafter_sha256(ckpt_dir),
                     "spec_type": SPEC_TYPES[ckpt.family], "draft_n_max": draft_n_max(ckpt.family, ckpt.config),
                     "target": target.name, "target_gguf": _shipped(target.name),
                     "target_layers": list(report.facts.target_layers),

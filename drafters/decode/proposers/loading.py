@@ -29,7 +29,6 @@ from typing import Callable
 
 from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
-from drafters.files import dir_sha256
 from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
 from drafters.decode.proposers.draft_model import DraftModelProposer
 from drafters.decode.proposers.dspark import DSparkProposer, dspark_export_loader, dspark_proposer_from_checkpoint
@@ -40,6 +39,7 @@ from drafters.decode.proposers.hybrid import HybridProposer
 from drafters.decode.proposers.peagle import peagle_export_loader, peagle_proposer_from_checkpoint
 from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
 from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
+from drafters.files import drafter_sha256
 
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
                   "<drafter checkpoint directory>[:aux_layers=A,B,C]", "<drafter directory>+prompt-lookup[:options]")
@@ -134,11 +134,7 @@ def proposer_sha256(spec: str) -> str | None:
     merged result must agree on, since a checkpoint can change under the same path. None for a
     named proposer (prompt-lookup, draft-model:...)."""
     path, _ = split_drafter_spec(spec)
-    if not path.is_dir():
-        return None
-    names = [p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
-             and p.suffix in (".json", ".safetensors")]
-    return dir_sha256(path, names)
+    return drafter_sha256(path) if path.is_dir() else None
 
 
 def _prompt_lookup(arg: str, target, tree: TreeSpec, **overrides: int) -> PromptLookupProposer:
