@@ -89,7 +89,7 @@ def test_each_shipped_engine_on_two_processes_equals_one_resumes_and_exports(eng
     # resume from the middle into a new directory: bitwise the uninterrupted run's weights
     resumed = tmp_path / "resumed"
     done = launch(config, tmp_path, f"output_dir={resumed}", "grad_accum=1", "save_every=0",
-                  f"resume_from={run / 'checkpoint-2'}")
+                  f"resume_from={run / 'checkpoint-2'}", "trust_checkpoint=true")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
     c = weights(resumed)

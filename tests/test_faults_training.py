@@ -221,8 +221,21 @@ def test_resuming_a_checkpoint_past_max_steps_is_refused(uninterrupted, tmp_path
     checkpoint = uninterrupted["recipes/medusa_tiny.yaml"] / "checkpoint-4"
     with pytest.raises(RecipeError, match=rf"resume_from={checkpoint}: the checkpoint is at step 4, past this "
                                           r"run's last step 2 \(max_steps / epochs\); raise max_steps or resume"):
-        train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}", "max_steps=2")
+        train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}", "max_steps=2",
+              "trust_checkpoint=true")
     assert not (tmp_path / "run" / "checkpoint-final").exists()
+
+
+def test_resuming_a_checkpoint_from_outside_output_dir_asks_for_trust(uninterrupted, tmp_path):
+    # resuming unpickles the trainer state; a crafted file ran its payload (issue 38, fault 3): a checkpoint from
+    # another directory is refused, before anything is loaded from it, unless trust_checkpoint=true says so
+    checkpoint = uninterrupted["recipes/medusa_tiny.yaml"] / "checkpoint-4"
+    with pytest.raises(RecipeError, match=rf"resume_from={checkpoint} is outside output_dir=.*run: resuming "
+                                          r"unpickles its trainer state .* trust_checkpoint=true"):
+        train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}")
+    assert not (tmp_path / "run" / "checkpoint-final").exists()
+    summary = train("recipes/medusa_tiny.yaml", tmp_path / "run", f"resume_from={checkpoint}", "trust_checkpoint=true")
+    assert summary.steps == 6  # the recipe's max_steps, continued from step 4
 
 
 # ---- 5. resume notices a changed data file --------------------------------------------------------

@@ -153,6 +153,19 @@ def resume_checkpoint(recipe, say) -> Path | None:
     return None
 
 
+def check_trusted(path: Path, recipe) -> None:
+    """Resuming unpickles the trainer state (accelerate's scheduler and RNG states, DeepSpeed's and FSDP's optimizer
+    shards): a crafted file runs code. A checkpoint this run's own output_dir holds was written by this run; one
+    from elsewhere must be said to be trusted (trust_checkpoint=true)."""
+    own = Path(recipe.output_dir).resolve()
+    if own in path.resolve().parents or recipe.trust_checkpoint:
+        return
+    raise RecipeError(f"resume_from={path} is outside output_dir={recipe.output_dir}: resuming unpickles its trainer "
+                      "state (optimizer, scheduler and RNG states, as accelerate, DeepSpeed and FSDP save them), and "
+                      "a pickle can run code. Resume only a checkpoint you trust, and say so with "
+                      "trust_checkpoint=true")
+
+
 def resumable(path: Path) -> Path:
     if not (path / TRAINER_DIR / POSITION_FILE).is_file():
         raise RecipeError(f"resume_from={path}: not a resumable checkpoint (no {TRAINER_DIR}/{POSITION_FILE}); "
@@ -166,7 +179,8 @@ def resumable(path: Path) -> Path:
 
 
 # Recipe keys that may change between a run and its resumption without changing what is trained.
-RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "output_dir", "max_steps",
+RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "trust_checkpoint", "output_dir",
+                     "max_steps",
                      "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
 
 

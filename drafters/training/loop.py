@@ -33,6 +33,7 @@ from drafters.training.batches import LengthBuckets, load_examples, lr_factor, p
 from drafters.training.checkpoints import (
     Position,
     check_resume,
+    check_trusted,
     claim_output_dir,
     load_run_state,
     resume_checkpoint,
@@ -122,6 +123,7 @@ def start_run(recipe, script: str):
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes,
                      schema=type(recipe), unread=recipe.unread_fields())
+        check_trusted(resume, recipe)  # last: its trainer state is unpickled only after this
     train_rows, held_out = load_examples(recipe, target, accelerator.print)
     return accelerator, target, resume, train_rows, held_out
 

@@ -85,6 +85,8 @@ class TrainRecipe:
     eval_every: int = 0  # 0 = only at the end
     resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
     allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    trust_checkpoint: bool = False  # resume_from outside output_dir: its trainer state is unpickled, which can run
+    #                                 code (accelerate, DeepSpeed, FSDP): say that the checkpoint is trusted
     overwrite_output_dir: bool = False  # a new run into an output_dir holding an earlier run: remove that run's
     #                                     checkpoint-<step>/final, metrics.jsonl and eval.jsonl first (else refused)
     wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
