@@ -13,6 +13,7 @@ so a crash or a full disk never leaves a half-written checkpoint where a reader 
 knows nothing about the families: it stores their config dicts and state dicts as given.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -61,7 +62,20 @@ def target_info(target) -> dict:
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_position_embeddings,
+        "fingerprint": target_fingerprint(target),
     }
+
+
+def target_fingerprint(target) -> str:
+    """sha256 of a few of the target's weights (the embedding's and the LM head's first and last 4 rows, the final
+    norm), rounded to bf16 first so that the same weights loaded in float32 or bfloat16 agree: another model of the
+    same shape (a fine-tune, another seed) differs. 16 hex digits."""
+    digest = hashlib.sha256()
+    for name, weight in (("embed", target.embed_tokens.weight), ("head", target.lm_head.weight),
+                         ("norm", target.final_norm.weight)):
+        rows = torch.cat([weight[:4], weight[-4:]]) if weight.dim() == 2 else weight
+        digest.update(name.encode() + rows.detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def save_checkpoint(path, *, family: str, config: dict, target: dict, state_dict: dict,
@@ -126,14 +140,26 @@ def nonfinite(tensors: dict) -> list[str]:
             if t.is_floating_point() and not bool(t.isfinite().all())]
 
 
-def check_target(checkpoint: Checkpoint, target) -> None:
-    """Refuse to run a drafter against a target it was not built for (silent acceptance collapse)."""
+def check_target(checkpoint: Checkpoint, target, *, other_weights: str = "refuse") -> None:
+    """Refuse to run a drafter against a target it was not built for (silent acceptance collapse). A target of the
+    same shape with other weights (the recorded fingerprint differs: another fine-tune, another seed) is refused,
+    or with other_weights="warn" (measuring tau) said in one line; checkpoints from before fingerprints pass."""
     have = target_info(target)
     wrong = [f"{k}: checkpoint {checkpoint.target.get(k)} vs target {have[k]}"
              for k in TARGET_FIELDS if checkpoint.target.get(k) != have[k]]
     if wrong:
         raise CheckpointError(f"{checkpoint.path} was trained for target {checkpoint.target.get('name')!r}, "
                               f"which does not match {target.name!r}: " + "; ".join(wrong))
+    recorded = checkpoint.target.get("fingerprint")
+    if recorded is None or recorded == have["fingerprint"]:
+        return
+    message = (f"{checkpoint.path} was trained on target {checkpoint.target.get('name')!r} with other weights than "
+               f"{target.name!r} (weights fingerprint {recorded} vs {have['fingerprint']}): the same shape, another "
+               "model; its drafts are for that one")
+    if other_weights == "warn":
+        print(f"warning: {message}; tau measured here is not that drafter's on its own target")
+        return
+    raise CheckpointError(f"{message}. Use the target it was trained on")
 
 
 def _fsync_tree(path: Path) -> None:

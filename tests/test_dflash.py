@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script  # tests/ is on sys.path under pytest
 
 from drafters import dflash
 from drafters.checkpoint import load_checkpoint
@@ -27,7 +28,6 @@ from drafters.eagle3 import fuse_features
 from drafters.tiny import build_tiny_target
 from drafters.training.dflash import block_loss, decay_weights
 from drafters.training.recipe import RecipeError
-from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "dflash_tiny.yaml")
@@ -122,7 +122,7 @@ def test_context_in_chunks_equals_one_prefill(setup):
     for a, b in [(0, 6), (6, 7), (7, 15)]:
         drafter.extend_context(features[:1, a:b], chunks)
     for k1, k2 in zip(whole.keys + whole.values, chunks.keys + chunks.values):
-        torch.testing.assert_close(k1, k2, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)  # GEMMs over 6 vs 15 rows: fp32 rounding
     _, got = drafter.draft(ids[:1, 15], embed, chunks)
     torch.testing.assert_close(got, drafter.draft(ids[:1, 15], embed, whole)[1])
 

@@ -6,21 +6,21 @@ import json
 import re
 
 import pytest
-from safetensors.torch import load_file, save_file
-
 from conftest import load_script  # tests/ is on sys.path under pytest
-from drafters.checkpoint import load_checkpoint, target_info
-from drafters.training.data import DataError, load_conversations
-from drafters.export.common import ExportError
-from drafters.export.dispatch import export_checkpoint
-from drafters.export.check import check_export
-from drafters.export.reading import ExportCheckError
-from drafters.export.medusa import read_medusa_export
-from drafters.decode.proposers.loading import load_proposer
-from drafters.targets import load_target
-from drafters.decode.tree import DynamicSpec, parse_tree_spec
+from safetensors.torch import load_file, save_file
 from test_export import save_eagle3
 from test_medusa import medusa_checkpoint
+
+from drafters.checkpoint import load_checkpoint, target_info
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.tree import DynamicSpec, parse_tree_spec
+from drafters.export.check import check_export
+from drafters.export.common import ExportError
+from drafters.export.dispatch import export_checkpoint
+from drafters.export.medusa import read_medusa_export
+from drafters.export.reading import ExportCheckError
+from drafters.targets import load_target
+from drafters.training.data import DataError, load_conversations
 
 export_main = load_script("eval/export.py").main
 
@@ -259,3 +259,29 @@ def test_compare_reruns_a_drafter_whose_files_changed_at_the_same_path(run_dir, 
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     compare.main(argv)
     assert "compare: reusing" not in capsys.readouterr().out  # used to reuse the stale tau
+
+
+def test_a_target_of_the_same_shape_with_other_weights_is_named(tmp_path, target, capsys):
+    # the target check compared only the shape: a drafter trained for another model of the same shape was measured
+    # without a word (issue 38, fault 7). The checkpoint records a fingerprint of the target's weights: export
+    # refuses another, tau warns
+    from drafters.checkpoint import CheckpointError, target_fingerprint
+    from drafters.decode.tree import parse_tree_spec
+    from drafters.targets import Target
+    from drafters.tiny import build_tiny_target
+
+    assert target_fingerprint(target) == target_fingerprint(load_target("tiny-random-llama", dtype="bfloat16"))
+    other = Target(*build_tiny_target("tiny-random-llama", seed=1), "tiny-random-llama")  # same name and shape
+    assert target_fingerprint(other) != target_fingerprint(target)
+    checkpoint = save_eagle3(tmp_path / "ckpt", target)
+    with pytest.raises(ExportError, match=r"with other weights than 'tiny-random-llama' \(weights fingerprint "
+                                          r"[0-9a-f]{16} vs [0-9a-f]{16}\).*Use the target it was trained on"):
+        export_checkpoint(checkpoint, "sglang", tmp_path / "out", target=other)
+    assert not (tmp_path / "out").exists()
+    load_proposer(str(checkpoint), other, parse_tree_spec("chain:2"))  # measured, but said
+    assert "warning: " in capsys.readouterr().out
+    load_proposer(str(checkpoint), target, parse_tree_spec("chain:2"))  # its own target: nothing said
+    assert "warning" not in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="other weights"):
+        from drafters.checkpoint import check_target, load_checkpoint
+        check_target(load_checkpoint(checkpoint), other)  # what resume_from runs

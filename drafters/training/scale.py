@@ -88,13 +88,11 @@ class StepResult:
 
 def recipe_for(setting: StepSetting, vocab_size: int):
     """The family's tiny recipe with the setting's overrides: the same checks a user's recipe gets."""
-    family = TRAINING_FAMILIES[setting.family]
-    block = ["dflash.mask_token_id=0"] if setting.family in ("dflash", "dspark") else []
-    block += ["peagle.mask_token_id=0"] if setting.family == "peagle" else []
+    family = TRAINING_FAMILIES[setting.family]  # mask tokens: no training rows, so the lowest id (choose_mask_token)
     argv = [str(ROOT / "recipes" / f"{setting.family}_tiny.yaml"),
             f"draft_vocab_size={min(setting.draft_vocab, vocab_size)}",
             "draft_vocab_coverage=null", f"data.max_length={setting.seq_len}", "dtype=bfloat16",
-            "mixed_precision=bf16", *block, *setting.overrides]
+            "mixed_precision=bf16", *setting.overrides]
     return load_recipe(argv, family.script)
 
 

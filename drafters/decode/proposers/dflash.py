@@ -26,8 +26,16 @@ from torch import Tensor
 from drafters.checkpoint import check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import (ChainSpec, DynamicSpec, Frontier, Tree, TreeSpec, build_tree, parse_tree_spec,
-                                  ranked_draws)
+from drafters.decode.tree import (
+    ChainSpec,
+    DynamicSpec,
+    Frontier,
+    Tree,
+    TreeSpec,
+    build_tree,
+    parse_tree_spec,
+    ranked_draws,
+)
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import scatter_to_target
 from drafters.eagle3 import fuse_features
@@ -120,7 +128,7 @@ def load_dflash_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int =
 
 def dflash_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> DFlashProposer:
     # ckpt: an already loaded dflash drafters.checkpoint.Checkpoint (read once by the caller)
-    check_target(ckpt, target)
+    check_target(ckpt, target, other_weights="warn")
     config = drafter_config("dflash", ckpt.config, ckpt.path)
     return dflash_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 

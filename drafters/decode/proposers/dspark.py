@@ -73,7 +73,7 @@ class DSparkProposer(DFlashProposer):
 
 
 def dspark_proposer_from_checkpoint(ckpt, target, tree_spec, *, seed: int = 0, conf_min: float = 0.0):
-    check_target(ckpt, target)
+    check_target(ckpt, target, other_weights="warn")
     config = drafter_config("dspark", ckpt.config, ckpt.path)
     return dspark_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed, conf_min=conf_min)
 

@@ -26,14 +26,22 @@ import torch
 from torch import Tensor
 
 from drafters.checkpoint import check_target, load_checkpoint
-from drafters.registry import build_drafter, check_fits, drafter_config
-from drafters.eagle3 import Eagle3Config, fuse_features
-from drafters.draft_vocab import scatter_to_target
-from drafters.layers import DraftKVCache
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import (ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask, parse_tree_spec,
-                                  ranked_draws)
+from drafters.decode.tree import (
+    ChainSpec,
+    Frontier,
+    Tree,
+    TreeSpec,
+    build_tree,
+    frontier_mask,
+    parse_tree_spec,
+    ranked_draws,
+)
+from drafters.draft_vocab import scatter_to_target
+from drafters.eagle3 import Eagle3Config, fuse_features
+from drafters.layers import DraftKVCache
+from drafters.registry import build_drafter, check_fits, drafter_config
 
 
 def eagle3_inputs(drafter):
@@ -139,7 +147,7 @@ def load_eagle_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 
 
 def eagle_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
     # ckpt: an already loaded eagle3 drafters.checkpoint.Checkpoint (read once by the caller)
-    check_target(ckpt, target)
+    check_target(ckpt, target, other_weights="warn")
     config = drafter_config("eagle3", ckpt.config, ckpt.path)
     return eagle3_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 

@@ -6,11 +6,11 @@ target head attached to the drafter at load time, and in having no reduced vocab
 from pathlib import Path
 
 from drafters.checkpoint import CheckpointError, check_target, load_checkpoint
-from drafters.registry import build_drafter, check_fits, drafter_config
-from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.tree import TreeSpec, parse_tree_spec
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.registry import build_drafter, check_fits, drafter_config
 
 
 def eagle1_inputs(drafter: Eagle1Drafter):
@@ -29,7 +29,7 @@ def eagle1_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, 
     # ckpt: an already loaded eagle1 drafters.checkpoint.Checkpoint
     if ckpt.family != "eagle1":
         raise CheckpointError(f"{ckpt.path}: a {ckpt.family!r} checkpoint, expected 'eagle1'")
-    check_target(ckpt, target)
+    check_target(ckpt, target, other_weights="warn")
     config = drafter_config("eagle1", ckpt.config, ckpt.path)
     return eagle1_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 

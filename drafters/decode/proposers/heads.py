@@ -24,12 +24,21 @@ import torch
 from torch import Tensor
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint
-from drafters.medusa import MedusaHeads
-from drafters.registry import check_fits, load_drafter
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import (ChainSpec, Frontier, StaticSpec, Tree, TreeShape, TreeSpec, build_tree,
-                                  parse_tree_spec, ranked_draws)
+from drafters.decode.tree import (
+    ChainSpec,
+    Frontier,
+    StaticSpec,
+    Tree,
+    TreeShape,
+    TreeSpec,
+    build_tree,
+    parse_tree_spec,
+    ranked_draws,
+)
+from drafters.medusa import MedusaHeads
+from drafters.registry import check_fits, load_drafter
 
 HEADS_FAMILIES = ("medusa", "blockwise")  # drafters.registry names of the multi-head families
 TREE_FILE = "tree.json"  # the calibrated rank paths a training run writes into each evaluated checkpoint
@@ -103,7 +112,7 @@ def calibrated_tree(ckpt: Checkpoint) -> StaticSpec:
 def heads_proposer_from_checkpoint(ckpt: Checkpoint, target, tree_spec: str | TreeSpec | None, *,
                                    seed: int = 0) -> HeadsProposer:
     # ckpt: a loaded medusa / blockwise checkpoint; tree_spec None = its calibrated tree
-    check_target(ckpt, target)
+    check_target(ckpt, target, other_weights="warn")
     drafter = load_drafter(ckpt, families=HEADS_FAMILIES)
     check_fits(drafter.config, target, ckpt.path)
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

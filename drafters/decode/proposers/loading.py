@@ -199,7 +199,7 @@ def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int]
         return DSparkProposer(proposer.drafter, proposer.embed, proposer.tree, conf_min=conf_min)
     if (path / CONFIG_FILE).is_file():  # native drafters checkpoint (drafters.checkpoint)
         checkpoint = read_checkpoint(path)
-        check_target(checkpoint, target)
+        check_target(checkpoint, target, other_weights="warn")
         if checkpoint.family not in FAMILY_LOADERS:
             raise ValueError(f"drafter checkpoint {path}: no proposer for family {checkpoint.family!r} yet; "
                              f"known families: {', '.join(sorted(FAMILY_LOADERS)) or 'none'}")
@@ -244,7 +244,7 @@ def check_export_target(config: dict, target, where) -> None:
     recorded = {**target_info(target), **_recorded_target(config), "name": _recorded_name(config) or "(not recorded)"}
     problems = []
     try:  # fields the export does not record are the target's own: only recorded ones can differ
-        check_target(Checkpoint(Path(where), "export", config, recorded, {}, {}), target)
+        check_target(Checkpoint(Path(where), "export", config, recorded, {}, {}), target, other_weights="warn")
     except CheckpointError as error:
         problems.append(str(error))
     problems += _layer_and_vocab_problems(config, target) + _verifier_problems(config, target)

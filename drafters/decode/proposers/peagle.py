@@ -46,7 +46,7 @@ class PEagleProposer(EagleProposer):
 
 
 def peagle_proposer_from_checkpoint(ckpt, target, tree_spec, *, seed: int = 0) -> PEagleProposer:
-    check_target(ckpt, target)
+    check_target(ckpt, target, other_weights="warn")
     config = drafter_config("peagle", ckpt.config, ckpt.path)
     return peagle_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 
