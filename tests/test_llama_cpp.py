@@ -35,6 +35,7 @@ from drafters.engines.llama_cpp import LlamaCppError, LlamaServer, check_pair, g
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.llama_cpp import target_gguf
+from drafters.files import drafter_sha256
 from drafters.targets import Target, load_target
 from drafters.training.dflash import block_loss
 from drafters.training.eagle3 import ttt_loss
@@ -226,6 +227,8 @@ def test_tiny_target_serves_our_drafter_and_agrees(family, tiny, drafters_for_ti
     assert list(facts.target_layers) == json.loads((drafters_for_tiny[family] / "drafter.json").read_text())[
         "config"]["aux_layers"]
     assert result.check.fc_max_abs_diff == 0.0
+    manifest = json.loads((tmp_path / "gguf" / "llama-cpp.json").read_text())  # what eval/llama_cpp.py reuses by
+    assert manifest["source_sha256"] == drafter_sha256(drafters_for_tiny[family])
     # the norm options are a variant of EAGLE-3's layout, DSpark of DFlash's: half the prompts (the suite's time)
     results = serve_and_referee(tiny, target_file, tmp_path / "gguf", drafters_for_tiny[family],
                                 limit=3 if family in ("eagle3-norms", "dspark") else None)
@@ -300,45 +303,39 @@ def test_a_drafter_for_another_target_is_refused_before_running(smollm2, drafter
         check_pair(target_gguf(tiny, "f32", cache_dir=cache), tmp_path / "gguf" / "drafter-f32.gguf")
 
 
-def test_an_export_is_reused_only_for_the_checkpoint_content_it_was_made_from(tiny, drafters_for_tiny, cache,
-                                                                             tmp_path, capsys, monkeypatch):
+def test_an_export_is_reused_only_for_the_checkpoint_content_it_was_made_from(tiny, drafters_for_tiny, tmp_path,
+                                                                             capsys, monkeypatch):
     # eval/llama_cpp.py reused any export folder named <parent>-<name>-<dtype>: after a checkpoint was retrained in
     # place it benchmarked the old GGUF, and another run's checkpoint at a path ending alike was reported as this
-    # one (issue 38, fault 1)
-    import argparse
+    # one (issue 38, fault 1). The export itself is test_tiny_target_serves_our_drafter_and_agrees's (its manifest
+    # records the content's sha256); here a stand-in writes only that manifest, for the suite's time
     import shutil
 
     from conftest import load_script
     from safetensors.torch import load_file, save_file
 
-    from drafters.files import drafter_sha256
-
     script = load_script("eval/llama_cpp.py")
-    args = argparse.Namespace(exports=str(tmp_path / "exports"), export_dtype="f32")
-    target_file = target_gguf(tiny, "f32", cache_dir=cache)
-    checkpoint = tmp_path / "run" / "checkpoint-final"
-    shutil.copytree(drafters_for_tiny["eagle3"], checkpoint)
+    exported = []
 
-    def drafter_file():
-        modes = script.prepare_drafters(str(checkpoint), tiny, target_file, args, "f32", [0.0], False)
-        return modes[0]["mode"].draft
-
-    first = drafter_file()
-    assert drafter_file() == first and capsys.readouterr().out.count("exporting") == 1  # reused, same content
-    manifest = json.loads((first.parent / "llama-cpp.json").read_text())
-    assert manifest["source_sha256"] == drafter_sha256(checkpoint) and manifest["family"] == "eagle3"
-    weights = load_file(checkpoint / "model.safetensors")  # retrained in place: same path, other weights
-    save_file({k: v + 0.1 if v.is_floating_point() else v for k, v in weights.items()}, checkpoint / "model.safetensors")
-    asked = []  # the second export itself is the first one's code again: record where it would go, skip the work
-
-    def export(path, fmt, out, **kwargs):
-        asked.append(Path(out))
-        raise RuntimeError("exported")
+    def export(path, fmt, out, **kwargs):  # what export_llama_cpp records about its source
+        exported.append(Path(out))
+        Path(out).mkdir(parents=True)
+        (Path(out) / "llama-cpp.json").write_text(json.dumps({"source_sha256": drafter_sha256(path)}))
 
     monkeypatch.setattr(script, "export_checkpoint", export)
-    with pytest.raises(RuntimeError, match="exported"):
-        drafter_file()
-    assert asked and asked[0] != first.parent and drafter_sha256(checkpoint)[:12] in asked[0].name
+    checkpoint = tmp_path / "run" / "checkpoint-final"
+    shutil.copytree(drafters_for_tiny["eagle3"], checkpoint)
+    first = script.exported_for(checkpoint, "f32", tiny, tmp_path / "exports")
+    assert script.exported_for(checkpoint, "f32", tiny, tmp_path / "exports") == first and exported == [first]
+    weights = load_file(checkpoint / "model.safetensors")  # retrained in place: same path, other weights
+    save_file({k: v + 0.1 if v.is_floating_point() else v for k, v in weights.items()}, checkpoint / "model.safetensors")
+    second = script.exported_for(checkpoint, "f32", tiny, tmp_path / "exports")
+    assert second != first and exported == [first, second] and drafter_sha256(checkpoint)[:12] in second.name
+    # another run's checkpoint at a path ending in the same two names: its own export, not this one's
+    other = tmp_path / "other" / "run" / "checkpoint-final"
+    shutil.copytree(drafters_for_tiny["dflash"], other)
+    assert script.exported_for(other, "f32", tiny, tmp_path / "exports") not in (first, second)
+    assert capsys.readouterr().out.count("exporting") == 3
 
 
 # ---------------------------------------------------------------- SmolLM2: the shipped Q4_1 file and F32

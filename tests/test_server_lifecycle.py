@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = """
 import sys, time
 from drafters.engines.llama_cpp import LlamaServer
-with LlamaServer(sys.argv[1], ready_timeout=30) as server:
+with LlamaServer(sys.argv[1], ready_timeout=30, stop_grace=0.5) as server:
     print(server.process.pid, flush=True)
     time.sleep(600)
 """
@@ -52,7 +52,7 @@ def test_no_server_outlives_the_program_that_started_it(stand_in, signal_name):
     program = subprocess.Popen([sys.executable, "-c", PROGRAM, str(model)], stdout=subprocess.PIPE, text=True, env=env)
     pid = int(program.stdout.readline())
     program.send_signal(getattr(signal, signal_name))
-    # SIGTERM: the with block unwinds, stop() sends SIGTERM (ignored), then SIGKILL after 5 s
+    # SIGTERM: the with block unwinds, stop() sends SIGTERM (ignored), then SIGKILL after stop_grace
     program.wait(timeout=30)
     alive = alive_after(pid, 2)
     if alive:

@@ -239,11 +239,12 @@ class LlamaServer:
 
     def __init__(self, model, *, draft=None, spec_type: str | None = None, n_max: int | None = None,
                  p_min: float = 0.0, threads: int = 1, ctx: int = 4096, slots: int = 1, alias: str | None = None,
-                 exact: bool = False, extra: tuple = (), ready_timeout: float = 180):
+                 exact: bool = False, extra: tuple = (), ready_timeout: float = 180, stop_grace: float = 5.0):
         self.model, self.draft, self.spec_type, self.n_max = Path(model), draft, spec_type, n_max
         self.p_min = p_min
         self.exact, self.slots, self.alias = exact, slots, alias
         self.threads, self.ctx, self.extra, self.ready_timeout = threads, ctx, tuple(extra), ready_timeout
+        self.stop_grace = stop_grace  # seconds stop() waits after SIGTERM before SIGKILL
         self.process, self.port, self.log, self.previous_sigterm = None, None, None, None
 
     def command(self) -> list[str]:
@@ -381,7 +382,7 @@ class LlamaServer:
         if self.process is not None and self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=self.stop_grace)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
