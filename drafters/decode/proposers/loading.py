@@ -198,8 +198,7 @@ def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int]
                              f"a {type(proposer).__name__.removesuffix('Proposer')} drafter")
         return DSparkProposer(proposer.drafter, proposer.embed, proposer.tree, conf_min=conf_min)
     if (path / CONFIG_FILE).is_file():  # native drafters checkpoint (drafters.checkpoint)
-        checkpoint = read_checkpoint(path)
-        check_target(checkpoint, target, other_weights="warn")
+        checkpoint = read_checkpoint(path)  # each family's loader checks it against the target (check_target)
         if checkpoint.family not in FAMILY_LOADERS:
             raise ValueError(f"drafter checkpoint {path}: no proposer for family {checkpoint.family!r} yet; "
                              f"known families: {', '.join(sorted(FAMILY_LOADERS)) or 'none'}")
