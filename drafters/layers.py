@@ -107,7 +107,8 @@ def ttt_attention(q: Tensor, keys: Tensor, values: Tensor, step: int) -> Tensor:
 
     Step 0 is plain causal attention. For i > 0, one fused causal attention call over i "diagonal slots" placed
     before step 0's T keys computes the softmax over both: i placeholder query rows go first as well, so the call is
-    square and query i+t sees the i slots and step-0 keys <= t. The diagonal scores s_j(t) = q_t . k_{j,t} (j = 1..i) ride in extra head dimensions:
+    square and query i+t sees the i slots and step-0 keys <= t. The diagonal scores s_j(t) = q_t . k_{j,t}
+    (j = 1..i) ride in extra head dimensions:
         q'_t   = [q_t ; hi(s_1(t)), lo(s_1(t)), ..., hi(s_i(t)), lo(s_i(t))]   (hi + lo = s in fp32, 2 dims each)
         slot j = key [0 ; e_2j-1 + e_2j], value [0 ; e_j]   -> score q'_t . slot_j = s_j(t)
         k0_s   = [k_s ; 0],               value [v_s ; 0]

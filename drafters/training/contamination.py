@@ -79,6 +79,6 @@ def describe(hits: list[Hit], show: int = 3) -> str | None:
         return None
     exact = sum(h.how == "exact" for h in hits)
     shown = ", ".join(f"{h.row} ({h.how} {h.match})" for h in hits[:show])
-    return (f"holds evaluation prompts: {len(hits)} rows ({exact} exact, {len(hits) - exact} sharing {NGRAM} words in a "
-            f"row, which may be a stock phrase), e.g. {shown}: a drafter trained on them is measured on its own "
+    return (f"holds evaluation prompts: {len(hits)} rows ({exact} exact, {len(hits) - exact} sharing {NGRAM} words "
+            f"in a row, which may be a stock phrase), e.g. {shown}: a drafter trained on them is measured on its own "
             "training prompts; check them and remove those rows")

@@ -46,7 +46,8 @@ PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<targe
 DRAFTER_OPTIONS = ("aux_layers", "conf_min")  # DIR:option=value: see split_drafter_spec
 # Trained drafters register here, one entry per family of drafters.registry.FAMILIES:
 # native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
-# match (layers, hidden, vocab, context, weights fingerprint) is checked by each loader (drafters.checkpoint.check_target).
+# match (layers, hidden, vocab, context, weights fingerprint) is checked by each loader
+# (drafters.checkpoint.check_target).
 FAMILY_LOADERS: dict[str, Callable] = {
     "eagle3": eagle_proposer_from_checkpoint,
     "eagle1": eagle1_proposer_from_checkpoint,
