@@ -107,7 +107,7 @@ def train_tiny(family: str, out: Path, *extra: str):
     return train(load_recipe(argv, script), family)
 
 
-def resumed_equals_whole(family: str, whole: Path, work: Path) -> dict:
+def resumed_equals_whole(family: str, whole: Path) -> dict:
     # the run's directory as a stop right after checkpoint-2 leaves it, then resume_from=latest
     stopped = whole.with_name(whole.name + "-stopped")
     shutil.copytree(whole, stopped, ignore=shutil.ignore_patterns("checkpoint-final", ".run.lock"))
@@ -174,7 +174,7 @@ def check_family(family: str, device: torch.device, work: Path, targets: dict, p
         whole = work / f"{family}-{'strict' if strict else 'warn'}"
         try:
             summary = train_tiny(family, whole)
-            row |= {"steps": summary.steps, **resumed_equals_whole(family, whole, work), "deterministic": strict}
+            row |= {"steps": summary.steps, **resumed_equals_whole(family, whole), "deterministic": strict}
             break
         except RuntimeError as err:
             if not strict or "deterministic" not in str(err):
