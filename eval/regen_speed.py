@@ -47,7 +47,7 @@ def settings(args) -> list[dict]:
 
 
 def overrides(setting: dict, args, output: Path) -> list[str]:
-    common = [f"target={args.target}", f"data={args.data}", f"limit={args.prompts}", f"output={output}",
+    common = [f"target={args.target}", f"data={args.data}", "fmt=auto", f"limit={args.prompts}", f"output={output}",
               f"max_new_tokens={args.max_new_tokens}", "temperature=0", f"threads={setting['threads']}"]
     if setting["engine"] == "in-process":
         return common + ["engine=in-process", f"batch_size={setting['parallel']}", f"dtype={args.dtype}"]

@@ -85,3 +85,56 @@ def test_tv_weight_is_refused_where_it_would_be_wrong_or_ignored(recipe, overrid
 
     with pytest.raises(RecipeError, match=re.escape(message)):
         load_script("train/eagle.py").main([recipe, override])
+
+
+# What a recipe reads must be in a fresh clone, or be written by a command the repository names: another recipe's
+# `output:` (its launch line is that command), or the run's own outputs/. A user-data path (eagle3_llama8b's
+# data/regenerated.jsonl) must say in the recipe's comments how to make it.
+def read_paths(raw: dict) -> list[str]:
+    data = raw.get("data")
+    paths = [data.get("path")] if isinstance(data, dict) else [data]
+    features = raw.get("features")
+    if isinstance(features, dict):
+        paths.append(features.get("dir"))
+    return [p for p in paths + [raw.get("resume_from")] if isinstance(p, str) and ("/" in p or "." in p)]
+
+
+def produced_by() -> dict[str, str]:
+    import yaml
+
+    made = {}
+    for path in RECIPES:
+        output = yaml.safe_load(path.read_text()).get("output")
+        if isinstance(output, str):
+            made[output] = path.read_text().splitlines()[0][2:]
+    return made
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_path_a_recipe_reads_exists_or_is_made_by_a_named_command(path):
+    import yaml
+
+    text = path.read_text()
+    made = produced_by()
+    for read in read_paths(yaml.safe_load(text)):
+        assert not Path(read).is_absolute() and not read.startswith(".."), \
+            f"{path.name}: {read} lies outside the repository; a fresh clone does not have it"
+        if (ROOT / read).exists() or read in made:
+            continue
+        if read.startswith("outputs/"):  # written by a step the recipe's comments name
+            assert "python train/" in text or "quickstart" in text, f"{path.name}: nothing says what writes {read}"
+            continue
+        assert "train/regenerate.py" in text, f"{path.name}: {read} is neither in the repository nor made by a command"
+
+
+def test_the_shipped_smollm2_data_is_what_its_recipe_writes():
+    # the SmolLM2 training recipes read the file recipes/regenerate_smollm2.yaml appends to, so re-running that
+    # command grows the data the recipes train on
+    made = produced_by()
+    import yaml
+
+    for path in RECIPES:
+        if path.name.endswith("_smollm2.yaml") and not path.name.startswith("regenerate"):
+            read = yaml.safe_load(path.read_text())["data"]["path"]
+            assert made.get(read) == "python train/regenerate.py recipes/regenerate_smollm2.yaml", (path.name, read)
+            assert (ROOT / read).stat().st_size > 0
