@@ -101,10 +101,9 @@ class CheckError(Exception):
 
 
 def train_tiny(family: str, out: Path, *extra: str):
-    script = TRAINING_FAMILIES[family].script
     argv = [str(ROOT / "recipes" / f"{family}_tiny.yaml"), "max_steps=4", "save_every=2", "eval_every=0",
             f"output_dir={out}", *extra]
-    return train(load_recipe(argv, script), family)
+    return train(load_recipe(argv), family)
 
 
 def resumed_equals_whole(family: str, whole: Path) -> dict:

@@ -47,8 +47,8 @@ def test_forward_is_one_hidden_layer_split_residually():
 def test_sample_one_trains_one_head_per_micro_batch():
     import drafters.training.heads as train
 
-    recipe = train.HeadsRecipe(target="t", data=Data(path="x"), drafter="blockwise", num_heads=K,
-                          blockwise=train.BlockwiseOptions(loss="sample_one"))
+    recipe = train.BlockwiseRecipe(target="t", data=Data(path="x"), num_heads=K,
+                                   blockwise=train.BlockwiseOptions(loss="sample_one"))
     picks = [train.loss_weights(recipe, i) for i in range(600)]
     assert all(list(w.values()) == [1.0] for w in picks)
     assert picks == [train.loss_weights(recipe, i) for i in range(600)]  # a function of (seed, micro index)

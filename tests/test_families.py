@@ -2,6 +2,7 @@
 registered in one layer and missing in another fails here by name, not later on a user's recipe."""
 
 import ast
+import typing
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from drafters.decode.proposers.loading import FAMILY_LOADERS
 from drafters.export.dispatch import EXPORT_FORMATS
 from drafters.registry import FAMILIES, NAMES
-from drafters.training.families import SCRIPT_DEFAULTS, TRAINING_FAMILIES
+from drafters.training.families import TRAINING_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,10 +27,9 @@ def test_every_layer_knows_every_family(table, name):
 def test_each_training_entry_is_complete(family):
     entry = TRAINING_FAMILIES[family]
     assert entry.name == family
-    assert (ROOT / entry.script).is_file() and entry.script in SCRIPT_DEFAULTS
-    assert family in entry.recipe.__annotations__.get("drafter", "").__args__ if hasattr(
-        entry.recipe.__annotations__.get("drafter", None), "__args__") else True
-    assert entry.loss_parts and callable(entry.build) and callable(entry.problems)
+    # its schema trains it and no other family: the `drafter` it accepts is exactly its name
+    assert typing.get_args(typing.get_type_hints(entry.recipe)["drafter"]) == (family,)
+    assert entry.loss_parts and callable(entry.build) and callable(entry.recipe.problems)
     if entry.offline:  # an offline family reads a layout and says how to feed and evaluate itself
         assert entry.store_layout in TRAINING_FAMILIES and entry.inputs and entry.evaluate and entry.describe
 

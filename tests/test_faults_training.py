@@ -273,11 +273,11 @@ def test_a_draft_vocab_larger_than_the_targets_is_said(tmp_path, capsys):
 
 
 def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
-    from drafters.training.eagle3 import warn_about_layers
+    from drafters.training.eagle3 import Eagle3Recipe, warn_about_layers
     from drafters.training.recipe import load_recipe
 
     for layers, warned in (("[2, 5]", True), ("[2, 4, 5]", False), ("null", False)):
-        warn_about_layers(load_recipe("recipes/eagle3_tiny.yaml", [f"layers={layers}"], schema=eagle.Recipe))
+        warn_about_layers(load_recipe("recipes/eagle3_tiny.yaml", [f"layers={layers}"], schema=Eagle3Recipe))
         out = capsys.readouterr().out
         assert ("layers=[2, 5] are 2 aux layers: training works, but export to sglang / vllm will refuse the "
                 "drafter (both engines build fc for exactly 3)" in out) == warned, out
@@ -427,6 +427,7 @@ def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
     import dataclasses
     from typing import Literal
 
+    from drafters.training.eagle3 import Eagle3Recipe
     from drafters.training.recipe import load_recipe
 
     @dataclasses.dataclass
@@ -441,7 +442,7 @@ def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
     assert load_recipe(path, ["precision=no", "switch=on"], schema=Schema) == Schema(precision="no", switch="on")
     with pytest.raises(RecipeError, match=r"override 'mode=yes' \(command line\): True is not one of 'online', 'offline'"):
         load_recipe(path, ["mode=yes"], schema=Schema)  # no word of this Literal: still refused
-    recipe = load_recipe("recipes/eagle3_tiny.yaml", ["mixed_precision=no"], schema=eagle.Recipe)
+    recipe = load_recipe("recipes/eagle3_tiny.yaml", ["mixed_precision=no"], schema=Eagle3Recipe)
     assert recipe.mixed_precision == "no"
 
 
@@ -449,14 +450,3 @@ def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
 def test_fp16_on_a_cpu_is_refused_instead_of_training_in_fp32(tmp_path):
     with pytest.raises(RecipeError, match=r"mixed_precision=fp16 needs a GPU.*use mixed_precision=bf16"):
         train("recipes/eagle3_tiny.yaml", tmp_path / "run", "mixed_precision=fp16")
-
-
-@pytest.mark.parametrize("script, recipe, other", [(eagle, "recipes/medusa_tiny.yaml", "train/heads.py"),
-                                                   (eagle, "recipes/blockwise_tiny.yaml", "train/heads.py"),
-                                                   (heads, "recipes/eagle3_tiny.yaml", "train/eagle.py"),
-                                                   (heads, "recipes/eagle1_tiny.yaml", "train/eagle.py"),
-                                                   (heads, "recipes/dflash_tiny.yaml", "train/eagle.py")])
-def test_a_recipe_for_the_other_script_names_that_script(tmp_path, script, recipe, other):
-    drafter = Path(recipe).stem.removesuffix("_tiny")
-    with pytest.raises(RecipeError, match=rf"^recipe {recipe} trains drafter={drafter}: run it with {other}$"):
-        script.main([recipe, f"output_dir={tmp_path}"])

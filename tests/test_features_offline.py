@@ -242,12 +242,12 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     from drafters.training.families import TRAINING_FAMILIES
     from drafters.training.features import features_header, offline_batches, write_features
     from drafters.draft_vocab import build_draft_vocab
-    from drafters.training.eagle3 import ttt_loss, EagleRecipe, build_eagle3_drafter, target_inputs_fn
+    from drafters.training.eagle3 import ttt_loss, Eagle3Recipe, build_eagle3_drafter, target_inputs_fn
     from drafters.training.batches import pad_id
     from drafters.training.recipe import load_recipe
 
     recipe = load_recipe(EAGLE3, [f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"],
-                         schema=EagleRecipe)
+                         schema=Eagle3Recipe)
     target = load_target(recipe.target)
     examples, _ = build_examples(target.tokenizer, str(DATA), max_length=128)
     batch_rows = examples[3:7]
@@ -259,7 +259,7 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     offline_batch = offline_batches(store, [batch_rows], pad_id(target))[0]
     losses, grads = [], []
     for batch, inputs in ((online_batch, target_inputs_fn(
-            load_recipe(EAGLE3, [f"data.path={DATA}"], schema=EagleRecipe), target, drafter)),
+            load_recipe(EAGLE3, [f"data.path={DATA}"], schema=Eagle3Recipe), target, drafter)),
                           (offline_batch, target_inputs_fn(recipe, target, drafter))):
         features, labels = inputs(batch)
         drafter.zero_grad()

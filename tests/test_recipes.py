@@ -13,8 +13,15 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 LAUNCH = re.compile(r"^# (?:accelerate launch(?: --\S+(?: \S+)?)*|python) ((?:train|eval)/\w+\.py) (recipes/\S+\.yaml)")
 
 
-def script_schema(script: str):
-    return load_script(script).Recipe
+TRAINERS = ("train/train.py", "train/eagle.py", "train/heads.py", "train/features.py")  # families.load_recipe
+
+
+def load_with_script(path: Path, script: str):
+    if script in TRAINERS:  # the recipe's `drafter` picks the schema
+        from drafters.training.families import load_recipe as load_family_recipe
+
+        return load_family_recipe([str(path)])
+    return load_recipe(path, schema=load_script(script).Recipe)
 
 
 def test_there_are_recipes():
@@ -28,7 +35,7 @@ def test_recipe_loads_with_its_scripts_schema(path):
     assert match, f"{path.name}: first line must be the launch command, e.g. '# python train/x.py recipes/{path.name}'"
     script, named = match.groups()
     assert named == f"recipes/{path.name}", f"{path.name}: its launch command names {named}"
-    load_recipe(path, schema=script_schema(script))
+    load_with_script(path, script)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
@@ -75,16 +82,45 @@ def test_all_problems_are_named_at_once():
 @pytest.mark.parametrize("recipe, override, message", [
     ("recipes/eagle3_tiny.yaml", "tv_weight=-0.5", "tv_weight=-0.5 must be >= 0"),
     # a family that does not read the field refuses it rather than training without it
-    ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1.0 is read by drafter: eagle3 only, not eagle1"),
-    ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1.0 is read by drafter: eagle3 only, not dflash"),
+    ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3 only, not eagle1"),
+    ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3 only, not dflash"),
     ("recipes/dflash_tiny.yaml", "init_layer=-1", "init_layer=-1 is read by drafter: eagle3 only, not dflash"),
     ("recipes/eagle1_tiny.yaml", "eval_ttt_steps=3", "eval_ttt_steps=3 is read by drafter: eagle3 only, not eagle1"),
+    ("recipes/medusa_tiny.yaml", "blockwise.loss=sample_one",
+     "blockwise={'loss': 'sample_one'} is read by drafter: blockwise only, not medusa"),
+    ("recipes/eagle3_tiny.yaml", "drafter=eagel3", "drafter='eagel3' is not a family this trainer trains; choose one "
+     "of eagle3, dflash, dspark, peagle, eagle1, medusa, blockwise (did you mean 'eagle3'?)"),
 ])
-def test_tv_weight_is_refused_where_it_would_be_wrong_or_ignored(recipe, override, message):
+def test_another_familys_field_is_refused_where_it_would_be_ignored(recipe, override, message):
     from drafters.training.recipe import RecipeError
 
     with pytest.raises(RecipeError, match=re.escape(message)):
-        load_script("train/eagle.py").main([recipe, override])
+        load_script("train/train.py").main([recipe, override])
+
+
+def test_another_familys_field_at_its_default_is_accepted():
+    # a DFlash recipe copied from an EAGLE-3 one keeps ttt_steps: 7 (EAGLE-3's default) and norm_before_fc: false:
+    # neither changes anything, so the recipe loads; ttt_steps: 3 would be training a setting DFlash never reads
+    from drafters.training.families import load_recipe as load_family_recipe
+    from drafters.training.recipe import RecipeError
+
+    recipe = load_family_recipe(["recipes/dflash_tiny.yaml", "ttt_steps=7", "norm_before_fc=false"])
+    assert recipe.drafter == "dflash" and not hasattr(recipe, "ttt_steps")
+    with pytest.raises(RecipeError, match="ttt_steps=3 is read by drafter: eagle3 only, not dflash"):
+        load_family_recipe(["recipes/dflash_tiny.yaml", "ttt_steps=3"])
+
+
+@pytest.mark.parametrize("script", ["train/eagle.py", "train/heads.py"])
+def test_the_aliases_train_any_family_the_recipe_names(script, tmp_path):
+    # train/heads.py given an EAGLE-3 recipe trains EAGLE-3 (the scripts once refused each other's families)
+    from drafters.training.families import load_recipe as load_family_recipe
+
+    assert load_family_recipe(["recipes/eagle3_tiny.yaml"], default="medusa").drafter == "eagle3"
+    assert load_family_recipe(["recipes/medusa_tiny.yaml"]).drafter == "medusa"
+    summary = load_script(script).main(["recipes/blockwise_tiny.yaml" if script.endswith("eagle.py") else
+                                        "recipes/eagle3_tiny.yaml", "max_steps=1", "eval_every=0",
+                                        f"output_dir={tmp_path}", "data.eval_rows=0"])
+    assert summary.checkpoint.is_dir()
 
 
 # What a recipe reads must be in a fresh clone, or be written by a command the repository names: another recipe's

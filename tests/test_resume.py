@@ -116,31 +116,32 @@ def test_changed_recipe_is_refused_with_a_diff_unless_allowed(uninterrupted, tmp
 
 
 def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run_does_not_read():
-    # a checkpoint written before tv_weight and dflash.block_size existed resumes under the newer code as long
-    # as they keep the defaults (which reproduce the old behaviour); an EAGLE-3 run ignores the eagle1 and
-    # dflash sections; everything else it reads is still compared
-    from drafters.training.eagle3 import EagleRecipe
+    # a checkpoint written before tv_weight and features.dir existed resumes under the newer code as long as they
+    # keep the defaults (which reproduce the old behaviour); fields the run's schema lacks (an older version's one
+    # schema of five families saved every family's sections) are not read and not compared; everything else is
     from drafters.training.checkpoints import recipe_diff
+    from drafters.training.dflash import DFlashRecipe
+    from drafters.training.eagle3 import Eagle3Recipe
     from drafters.training.recipe import to_dict
 
-    current = to_dict(EagleRecipe(target="tiny-random-llama", data={"path": "d.jsonl"}))
+    current = to_dict(Eagle3Recipe(target="tiny-random-llama", data={"path": "d.jsonl"}))
     old = json.loads(json.dumps(current))
-    del old["tv_weight"], old["dflash"]["block_size"]
-    old["eagle1"]["feature"] = "pre_norm"  # a changed default in a section EAGLE-3 never reads
-    unread = EagleRecipe(target="t", data={"path": "d"}).unread_fields()
-    assert unread == {"eagle1", "dflash", "dspark", "peagle"}
-    assert recipe_diff(old, current, schema=EagleRecipe, unread=unread) == []
-    # without the schema and the unread sections, all three differences are reported
-    assert len(recipe_diff(old, current)) == 3
+    del old["tv_weight"]
+    old["eagle1"] = {"feature": "pre_norm"}  # another family's section, as an older version saved it
+    assert recipe_diff(old, current, schema=Eagle3Recipe) == []
+    # without the schema, both differences are reported
+    assert len(recipe_diff(old, current)) == 2
     # an added field away from its default changes what is trained: reported, here and nested
-    assert recipe_diff(old, {**current, "tv_weight": 1.0}, schema=EagleRecipe, unread=unread) == [
-        "tv_weight: '<absent>' -> 1.0"]
+    assert recipe_diff(old, {**current, "tv_weight": 1.0}, schema=Eagle3Recipe) == ["tv_weight: '<absent>' -> 1.0"]
     del old["features"]["dir"]
-    assert recipe_diff(old, {**current, "features": {**current["features"], "dir": "f"}}, schema=EagleRecipe,
-                       unread=unread) == ["features.dir: '<absent>' -> 'f'"]
-    # a DFlash run reads its own section and ignores the EAGLE-3-only fields
-    dflash = EagleRecipe(target="t", data={"path": "d"}, drafter="dflash").unread_fields()
-    assert "dflash" not in dflash and {"ttt_steps", "tv_weight", "eagle1"} <= dflash
+    assert recipe_diff(old, {**current, "features": {**current["features"], "dir": "f"}}, schema=Eagle3Recipe) == [
+        "features.dir: '<absent>' -> 'f'"]
+    # a DFlash checkpoint of the older schema held EAGLE-3's fields too: the DFlash run compares its own only
+    dflash = to_dict(DFlashRecipe(target="t", data={"path": "d"}))
+    saved = {**dflash, "ttt_steps": 3, "tv_weight": 0.5, "dflash": {**dflash["dflash"]}}
+    assert recipe_diff(saved, dflash, schema=DFlashRecipe) == []
+    saved["dflash"]["block_size"] = 4
+    assert recipe_diff(saved, dflash, schema=DFlashRecipe) == ["dflash.block_size: 4 -> 8"]
 
 
 def test_resume_from_another_family_or_target_is_refused(uninterrupted, tmp_path):

@@ -234,9 +234,9 @@ def test_sampled_trees_say_what_they_were_drawn_from(fitted):
 @pytest.mark.parametrize("overrides, message", [
     (["num_heads=127"], "num_heads=127 needs data.max_length >= num_heads \\+ 2 = 129"),
     (["data.limit=4", "data.eval_rows=1", "num_heads=90"], "no training example has a target token at position >= 91"),
-    (["blockwise.loss=sample_one"], "blockwise.loss=sample_one applies to drafter=blockwise only"),
+    (["blockwise.loss=sample_one"], "blockwise={'loss': 'sample_one'} is read by drafter: blockwise only, not medusa"),
     (["tree.kind=cartesian", "tree.cartesian=[2, 2, 2, 2]"], "tree.cartesian=\\[2, 2, 2, 2\\] must list 1..num_heads=3"),
-    (["drafter=eagle"], "'eagle' is not one of 'medusa', 'blockwise'"),
+    (["drafter=eagle"], "drafter='eagle' is not a family this trainer trains; choose one of eagle3"),
     (["medusa.num_heads=3"], "unknown key 'num_heads'"),
 ])
 def test_bad_recipes_fail_clearly(heads_script, tmp_path, overrides, message):

@@ -3,7 +3,7 @@
     python train/features.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2 [key=value ...]
     python train/eagle.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2
 
-Reads the same recipe (and overrides) as train/eagle.py: target, dtype, data, drafter, layers (EAGLE-3) or
+Reads the same recipe (and overrides) as train/train.py: target, dtype, data, drafter, layers (EAGLE-3) or
 eagle1.feature (EAGLE-1) and
 the `features` section: dir (required here: where to write; training streams from it when set), dtype
 (bfloat16 | float16 | float32 storage), shard_rows; batch_size is the target's forward batch. Runs the
@@ -21,18 +21,18 @@ import torch
 from drafters.files import check_writable
 from drafters.targets import load_target
 from drafters.training.data import build_examples
-from drafters.training.eagle3 import EagleRecipe
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
 from drafters.training.features import Processes, features_header, write_features
 from drafters.training.recipe import RecipeError, run_main
 
-Recipe = EagleRecipe  # train/eagle.py's schema (tests/test_recipes.py reads a script's schema as `Recipe`)
-
-
 def main(argv: list[str]) -> dict:
     if not argv:
         raise SystemExit("usage: python train/features.py RECIPE.yaml features.dir=DIR [key=value ...]")
-    recipe = load_recipe(argv, "train/eagle.py")
+    recipe = load_recipe(argv)
+    family = TRAINING_FAMILIES[recipe.drafter]
+    if not family.offline:
+        raise RecipeError(f"{argv[0]}: drafter={recipe.drafter} trains online only (a target forward per batch); "
+                          "there are no features to store for it")
     if not recipe.features.dir:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/eagle.py streams from it when the recipe sets it)")
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> dict:
     processes, device = launched_processes()
     target = load_target(recipe.target, dtype=recipe.dtype)
     target.model.to(device)
-    header = features_header(recipe, target, TRAINING_FAMILIES[recipe.drafter])  # refuses online-only families
+    header = features_header(recipe, target, family)
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length, fmt=data.fmt,
                                       split=data.split, limit=data.limit)

@@ -184,19 +184,19 @@ RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_di
                      "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
 
 
-def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | None = None,
-                unread: frozenset[str] = frozenset()) -> list[str]:
+def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | None = None) -> list[str]:
     """'name: old -> new' for each recipe value that differs between a checkpoint's recipe and this one,
-    except RESUMABLE_CHANGES, the top-level fields in `unread` (sections this configuration never reads,
-    e.g. another family's) and fields the checkpoint's recipe lacks that are at their default in `schema`
-    (the recipe's dataclass): fields added by a later version of drafters default to the behaviour they
-    did not have before, so a run resumes across an upgrade."""
+    except RESUMABLE_CHANGES, fields this recipe's schema does not have (never read by this run: e.g. another
+    family's section, saved by an older version whose one schema held several families) and fields the
+    checkpoint's recipe lacks that are at their default in `schema` (the recipe's dataclass): fields added by a
+    later version of drafters default to the behaviour they did not have before, so a run resumes across an
+    upgrade."""
     lines = []
     defaults = {f.name: f for f in dataclasses.fields(schema)} if schema is not None else {}
     hints = typing.get_type_hints(schema) if schema is not None else {}
     for key in sorted(set(saved) | set(current)):
         name = prefix + key
-        if not prefix and (key in RESUMABLE_CHANGES or key in unread):
+        if not prefix and key in RESUMABLE_CHANGES or schema is not None and key not in defaults:
             continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if key not in saved and key in defaults and new == field_default(defaults[key]):
@@ -220,8 +220,8 @@ def field_default(f: dataclasses.Field):
     return asdict(value) if dataclasses.is_dataclass(value) else value
 
 
-def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool, *, schema: type | None = None,
-                 unread: frozenset[str] = frozenset()) -> None:
+def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool, *,
+                 schema: type | None = None) -> None:
     """The checkpoint must be of this family and target, and trained by the same recipe (recipe_diff)."""
     if ckpt.family != family:
         raise RecipeError(f"resume_from={ckpt.path}: a {ckpt.family!r} checkpoint, but this recipe trains "
@@ -230,7 +230,7 @@ def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bo
         check_target(ckpt, target)
     except CheckpointError as error:
         raise RecipeError(f"resume_from: {error}") from None
-    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict, schema=schema, unread=unread)
+    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict, schema=schema)
     if diff and not allow_changes:
         raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
                           + "\n  ".join(diff) + "\nresume with the original values, or set "

@@ -1,12 +1,13 @@
-"""DFlash pieces of train/eagle.py (drafter: dflash): its recipe section, the mask token, the objective
+"""Training DFlash (drafter: dflash): its recipe, the mask token, the objective
 (`block_loss`: drafters.dflash's block_unroll scored per slot with decaying weights; `DFlashObjective`, what
 accelerate prepares, draws the anchors from a generator whose state is checkpointed), the held-out
 evaluation.
-The loop, logging, checkpointing and target inputs (fused aux layers + soft labels, online or from the
-EAGLE-3 feature store) are train/eagle.py's and drafters.training.loop's, shared with EAGLE-3.
+The loop, logging and checkpointing are drafters.training.loop's; the target inputs (fused aux layers + soft
+labels, online or from the EAGLE-3 feature store) are EAGLE-3's (drafters.training.eagle3), shared through the
+family entries of drafters.training.families.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -18,6 +19,7 @@ from drafters.dspark import block_prev_ids
 from drafters.draft_vocab import DraftVocab
 from drafters.losses import draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
 from drafters.training.recipe import RecipeError
+from drafters.training.schema import DraftVocabRecipe
 
 LABELS = ("soft", "argmax")
 
@@ -32,9 +34,18 @@ class DFlashOptions:
     mask_token_id: int | None = None  # null: the lowest target id that no training row contains
 
 
-def check_dflash(recipe) -> list[str]:
-    """Problems with the dflash section of a train/eagle.py recipe (drafter: dflash)."""
-    o, problems = recipe.dflash, []
+@dataclass(kw_only=True)
+class DFlashRecipe(DraftVocabRecipe):  # + target, data, optim, ..., layers, features, draft vocabulary
+    drafter: Literal["dflash"] = "dflash"
+    output_dir: str = "outputs/dflash"
+    dflash: DFlashOptions = field(default_factory=DFlashOptions)
+
+    def problems(self) -> list[str]:
+        return super().problems() + check_dflash(self.dflash)
+
+
+def check_dflash(o: DFlashOptions) -> list[str]:
+    problems = []
     if o.block_size < 2:
         problems.append(f"dflash.block_size={o.block_size} must be >= 2 (the anchor and at least one mask slot)")
     for name in ("num_layers", "anchors"):

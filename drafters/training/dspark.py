@@ -1,15 +1,16 @@
-"""DSpark pieces of train/eagle.py (drafter: dspark): its recipe section and its build. Everything else is
+"""Training DSpark (drafter: dspark): its recipe (DFlash's plus the `dspark` section) and its build. Everything else is
 DFlash's (drafters.training.dflash): the block, anchors, labels and slot weights come from the recipe's `dflash`
 section, the objective is `block_loss` (which adds the Markov bias and the confidence loss for a DSpark
 drafter), and the held-out evaluation is `evaluate_dflash` (teacher-forced prev tokens: along a block's leading
 correct slots they are the tokens a greedy chain drafts, so tau_pred is the greedy chain's).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from drafters.draft_vocab import DraftVocab
 from drafters.dspark import VARIANTS, DSparkConfig, DSparkDrafter
-from drafters.training.dflash import DFlashObjective, choose_mask_token
+from drafters.training.dflash import DFlashObjective, DFlashRecipe, choose_mask_token
 from drafters.training.recipe import RecipeError
 
 
@@ -21,8 +22,18 @@ class DSparkOptions:
     confidence_weight: float = 1.0  # its BCE's weight in the loss (speculators' confidence_head_alpha)
 
 
-def check_dspark(recipe) -> list[str]:
-    o, problems = recipe.dspark, []
+@dataclass(kw_only=True)
+class DSparkRecipe(DFlashRecipe):  # DFlash's recipe (its `dflash` section is the block) + the Markov head
+    drafter: Literal["dspark"] = "dspark"
+    output_dir: str = "outputs/dspark"
+    dspark: DSparkOptions = field(default_factory=DSparkOptions)
+
+    def problems(self) -> list[str]:
+        return super().problems() + check_dspark(self.dspark)
+
+
+def check_dspark(o: DSparkOptions) -> list[str]:
+    problems = []
     if isinstance(o.markov_rank, bool) or not isinstance(o.markov_rank, int) or o.markov_rank < 1:
         problems.append(f"dspark.markov_rank={o.markov_rank!r} must be an integer >= 1 (without a Markov head it is "
                         "DFlash: use drafter: dflash)")
@@ -34,7 +45,7 @@ def check_dspark(recipe) -> list[str]:
     return problems
 
 
-def build_dspark(recipe, target, train_rows, vocab: DraftVocab, say) -> DFlashObjective:
+def build_dspark(recipe: DSparkRecipe, target, train_rows, vocab: DraftVocab, say) -> DFlashObjective:
     try:
         mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)
     except ValueError as err:

@@ -1,10 +1,10 @@
-"""EAGLE-1 pieces of train/eagle.py (drafter: eagle1): its recipe sections, the objective accelerate
-prepares, the target inputs of a batch (online, or from offline features), the held-out evaluation.
-The loop, logging and checkpointing are train/eagle.py's and drafters.training.loop's, shared with EAGLE-3.
+"""Training EAGLE-1 (drafter: eagle1): its recipe, the objective accelerate prepares, the target inputs of a batch
+(online, or from offline features), the held-out evaluation. The loop, logging and checkpointing are
+drafters.training.loop's, shared by every family.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
-from drafters.dtypes import DtypeName
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import shift_left, ttt_label_mask
 from drafters.losses import soft_cross_entropy
+from drafters.training.schema import FeatureRecipe
 
 
 @dataclass
@@ -27,15 +27,17 @@ class Eagle1Options:
     eval_steps: int = 5  # length K of the self-fed chain of the held-out evaluation
 
 
-@dataclass
-class Features:  # offline target features (drafters.training.features; written by train/features.py)
-    dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
-    dtype: DtypeName = "bfloat16"  # storage dtype (train/features.py)
-    shard_rows: int = 512  # examples per safetensors shard (train/features.py)
+@dataclass(kw_only=True)
+class Eagle1Recipe(FeatureRecipe):  # + target, data, optim, batches, steps, precision, layers, features, ...
+    drafter: Literal["eagle1"] = "eagle1"
+    output_dir: str = "outputs/eagle1"
+    eagle1: Eagle1Options = field(default_factory=Eagle1Options)
+
+    def problems(self) -> list[str]:
+        return super().problems() + check_eagle1(self)
 
 
-def check_eagle1(recipe) -> list[str]:
-    """Problems with the eagle1 section of a train/eagle.py recipe (drafter: eagle1)."""
+def check_eagle1(recipe: Eagle1Recipe) -> list[str]:
     o, problems = recipe.eagle1, []
     if o.feature not in FEATURES:
         problems.append(f"eagle1.feature={o.feature!r} must be one of {', '.join(FEATURES)}")

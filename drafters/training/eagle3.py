@@ -1,10 +1,11 @@
-"""Training the EAGLE families (train/eagle.py): the recipe schema both share, EAGLE-3's objective (the
-training-time test of drafters.eagle3 on one batch), the target inputs it reads (online: a target
-forward per batch; offline: drafters.training.features), and its held-out evaluation. EAGLE-1's own
-pieces are in drafters.training.eagle1, DFlash's (drafter: dflash, same inputs) in drafters.training.dflash.
+"""Training EAGLE-3 (drafter: eagle3): its recipe, the objective (the training-time test of drafters.eagle3 on one
+batch), the target inputs it reads (online: a target forward per batch; offline: drafters.training.features),
+its held-out evaluation, and the run of every feature-level family. DFlash, DSpark and P-EAGLE read the same
+inputs and draft vocabulary (their entries in drafters.training.families name these functions); each family's
+own recipe and objective are in its own module.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -19,107 +20,68 @@ from drafters.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
     fuse_features,
-    shift_left,
     ttt_label_mask,
     ttt_label_rows,
 )
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
-from drafters.losses import LabelLogits, draft_vocab_targets, soft_cross_entropy, supervised_targets
+from drafters.losses import LabelLogits, soft_cross_entropy, supervised_targets
 from drafters.targets import Target, default_eagle3_layers
-from drafters.training.dflash import DFlashOptions, check_dflash
-from drafters.training.dspark import DSparkOptions, check_dspark
-from drafters.training.peagle import PEagleOptions, check_peagle
-from drafters.training.eagle1 import Eagle1Options, Features, check_eagle1
 from drafters.training.loop import RunBase
 from drafters.training.metrics import StepMetrics
 from drafters.training.recipe import RecipeError
-from drafters.training.schema import TrainRecipe
-
-
-# EagleRecipe fields only drafter: eagle3 reads, that a recipe of another family must leave off (ttt_steps and
-# step_weight have non-zero defaults: they are ignored there, not refused)
-EAGLE3_ONLY = ("tv_weight", "init_layer", "eval_ttt_steps", *NORM_OPTIONS)
+from drafters.training.schema import DraftVocabRecipe, FeatureRecipe
 
 
 @dataclass(kw_only=True)
-class EagleRecipe(TrainRecipe):  # train/eagle.py's; + target, data, optim, batches, steps, precision, ...
-    drafter: Literal["eagle3", "eagle1", "dflash", "dspark", "peagle"] = "eagle3"
+class DrafterNorms:
+    """The optional norms of an EAGLE-3 layer (drafters.eagle3.Eagle3Config; speculators' / vLLM's names), read by
+    EAGLE-3 and P-EAGLE. llama.cpp runs norm_before_fc and norm_before_residual; fc_norm (EAGLE-3.1) only vLLM /
+    speculators / SGLang."""
+
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+
+    def norms(self) -> dict[str, bool]:
+        return {name: getattr(self, name) for name in NORM_OPTIONS}
+
+    def norm_problems(self) -> list[str]:
+        if self.norm_before_fc and self.fc_norm:
+            return ["norm_before_fc and fc_norm are both set: they are two ways to norm the fused features before "
+                    "fc; keep one"]
+        return []
+
+
+@dataclass(kw_only=True)
+class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..., layers, features, draft vocab
+    drafter: Literal["eagle3"] = "eagle3"
     output_dir: str = "outputs/eagle3"
-    draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
-    # set (0 < c <= 1): draft_vocab_size = the smallest vocabulary whose ids cover this fraction of the
-    # supervised training tokens (drafters.draft_vocab.size_for_coverage); the coverage is printed either way
-    draft_vocab_coverage: float | None = None
-    layers: list[int] | None = None  # HF hidden_states indices; null = [2, L//2, L-3]
-    ttt_steps: int = 7  # EAGLE-3 only
-    step_weight: float = 0.8  # EAGLE-3 only: loss of TTT step i weighs step_weight ** i
-    # EAGLE-3 only: each position's loss adds tv_weight x the total variation distance between the target's
-    # and the draft's distributions (1 - P(a sampled draft is accepted); drafters.losses.soft_cross_entropy)
+    ttt_steps: int = 7
+    step_weight: float = 0.8  # the loss of TTT step i weighs step_weight ** i
+    # each position's loss adds tv_weight x the total variation distance between the target's and the draft's
+    # distributions (1 - P(a sampled draft is accepted); drafters.losses.soft_cross_entropy)
     tv_weight: float = 0.0
-    # EAGLE-3 only: the drafter's decoder layer starts as this target decoder layer (an index into the target's
-    # layers, -1 = the last; Eagle3Drafter.init_layer_from), not random; null = random (SpecForge's start)
+    # the drafter's decoder layer starts as this target decoder layer (an index into the target's layers, -1 = the
+    # last; Eagle3Drafter.init_layer_from), not random; null = random (SpecForge's start)
     init_layer: int | None = None
     # the held-out evaluation's chain depth (evaluate_eagle3); null = ttt_steps. Set it to compare runs trained
     # at different depths on one scale
     eval_ttt_steps: int | None = None
-    # EAGLE-3 only: optional norms of the drafter (drafters.eagle3.Eagle3Config; speculators' / vLLM's names).
-    # llama.cpp runs norm_before_fc and norm_before_residual; fc_norm (EAGLE-3.1) only vLLM / speculators / SGLang
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_before_residual: bool = False
-    dflash: DFlashOptions = field(default_factory=DFlashOptions)  # drafter: dflash and dspark (its block)
-    dspark: DSparkOptions = field(default_factory=DSparkOptions)  # drafter: dspark only (its Markov head)
-    peagle: PEagleOptions = field(default_factory=PEagleOptions)  # drafter: peagle only
-    eagle1: Eagle1Options = field(default_factory=Eagle1Options)  # drafter: eagle1 only
-    features: Features = field(default_factory=Features)  # offline features (train/features.py)
 
-    def unread_fields(self) -> frozenset[str]:
-        own = {"eagle3": {"ttt_steps", "step_weight", *EAGLE3_ONLY}, "eagle1": {"eagle1"}, "dflash": {"dflash"},
-               "dspark": {"dflash", "dspark"}, "peagle": {"peagle", *NORM_OPTIONS}}
-        return frozenset(set().union(*own.values()) - own[self.drafter])
+    def problems(self) -> list[str]:
+        problems = super().problems() + self.norm_problems()
+        if self.ttt_steps < 1:
+            problems.append(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if self.step_weight <= 0:
+            problems.append(f"step_weight={self.step_weight} must be > 0")
+        if self.tv_weight < 0:
+            problems.append(f"tv_weight={self.tv_weight} must be >= 0 (0 = the soft cross-entropy alone)")
+        if self.eval_ttt_steps is not None and self.eval_ttt_steps < 1:
+            problems.append(f"eval_ttt_steps={self.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
+        return problems
 
 
-def eagle_problems(recipe: EagleRecipe) -> list[str]:
-    """The EAGLE fields' problems (the shared sections are TrainRecipe.problems')."""
-    problems = [f"{name}={getattr(recipe, name)} must be >= 1" for name in ("draft_vocab_size", "ttt_steps")
-                if getattr(recipe, name) < 1]
-    if recipe.step_weight <= 0:
-        problems.append(f"step_weight={recipe.step_weight} must be > 0")
-    if recipe.tv_weight < 0:
-        problems.append(f"tv_weight={recipe.tv_weight} must be >= 0 (0 = the soft cross-entropy alone)")
-    if recipe.eval_ttt_steps is not None and recipe.eval_ttt_steps < 1:
-        problems.append(f"eval_ttt_steps={recipe.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
-    if recipe.norm_before_fc and recipe.fc_norm:
-        problems.append("norm_before_fc and fc_norm are both set: they are two ways to norm the fused features "
-                        "before fc; keep one")
-    for name in EAGLE3_ONLY:  # set (not null, false or 0) for a family that never reads it
-        if getattr(recipe, name) not in (None, False) and name in recipe.unread_fields():
-            problems.append(f"{name}={getattr(recipe, name)} is read by drafter: eagle3 only, not {recipe.drafter}; "
-                            "remove it")
-    if recipe.draft_vocab_coverage is not None and not 0 < recipe.draft_vocab_coverage <= 1:
-        problems.append(f"draft_vocab_coverage={recipe.draft_vocab_coverage} must be in (0, 1] or null "
-                        "(null = draft_vocab_size as given)")
-    if recipe.features.shard_rows < 1:
-        problems.append(f"features.shard_rows={recipe.features.shard_rows} must be >= 1")
-    return problems
-
-
-def dflash_problems(recipe: EagleRecipe) -> list[str]:
-    return eagle_problems(recipe) + check_dflash(recipe)
-
-
-def dspark_problems(recipe: EagleRecipe) -> list[str]:
-    return eagle_problems(recipe) + check_dflash(recipe) + check_dspark(recipe)
-
-
-def peagle_problems(recipe: EagleRecipe) -> list[str]:
-    return eagle_problems(recipe) + check_peagle(recipe)
-
-
-def eagle1_problems(recipe: EagleRecipe) -> list[str]:
-    return eagle_problems(recipe) + check_eagle1(recipe)
-
-
-def warn_about_layers(recipe: EagleRecipe, say=print) -> None:
+def warn_about_layers(recipe: FeatureRecipe, say=print) -> None:
     if recipe.layers is not None and len(recipe.layers) != ENGINE_AUX_LAYERS:
         say(f"eagle: warning: layers={recipe.layers} are {len(recipe.layers)} aux layers: training works, but "
             f"export to sglang / vllm will refuse the drafter (both engines build fc for exactly "
@@ -129,7 +91,7 @@ def warn_about_layers(recipe: EagleRecipe, say=print) -> None:
 # ---- set-up ---------------------------------------------------------------------------------------
 
 
-def eagle3_layer_spec(recipe: EagleRecipe, target: Target) -> dict:
+def eagle3_layer_spec(recipe: FeatureRecipe, target: Target) -> dict:
     """What an EAGLE-3 feature store holds (drafters.training.features), also DFlash's: spec["features"] =
     "fused:2,15,27" (the aux layers, HF hidden_states indices) is compared on reading."""
     layers = default_eagle3_layers(target.num_layers) if recipe.layers is None else list(recipe.layers)
@@ -138,7 +100,7 @@ def eagle3_layer_spec(recipe: EagleRecipe, target: Target) -> dict:
             "label_hidden": "hidden_states[L], final-normed: soft labels = frozen head at supervised rows"}
 
 
-def choose_draft_vocab(recipe: EagleRecipe, target: Target, train_rows, say) -> DraftVocab:
+def choose_draft_vocab(recipe: DraftVocabRecipe, target: Target, train_rows, say) -> DraftVocab:
     """The draft vocabulary (EAGLE-3, DFlash): the draft_vocab_size (or draft_vocab_coverage) most frequent
     supervised token ids of the TRAIN rows (docs/conventions.md), with a printed line on its coverage."""
     counts = count_tokens([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size)
@@ -156,7 +118,7 @@ def choose_draft_vocab(recipe: EagleRecipe, target: Target, train_rows, say) -> 
     return vocab
 
 
-def build_eagle3(recipe: EagleRecipe, target: Target, train_rows, vocab: DraftVocab, say) -> "Eagle3Objective":
+def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftVocab, say) -> "Eagle3Objective":
     """The family's build (drafters.training.family.TrainingFamily): the drafter, wrapped in its TTT objective."""
     warn_about_layers(recipe, say)
     drafter = build_eagle3_drafter(recipe, target, vocab)
@@ -165,9 +127,9 @@ def build_eagle3(recipe: EagleRecipe, target: Target, train_rows, vocab: DraftVo
     return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight)
 
 
-def build_eagle3_drafter(recipe: EagleRecipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
+def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
     config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers,
-                                             **{name: getattr(recipe, name) for name in NORM_OPTIONS})
+                                             **recipe.norms())
     drafter = Eagle3Drafter(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
     if recipe.init_layer is not None:
@@ -247,7 +209,7 @@ class Eagle3Objective(nn.Module):
                         steps=self.steps, step_weight=self.step_weight, tv_weight=self.tv_weight)
 
 
-def target_inputs_fn(recipe: EagleRecipe, target: Target, drafter):
+def target_inputs_fn(recipe: FeatureRecipe, target: Target, drafter):
     """-> batch -> (fused features in the drafter's dtype, target logits (B, T, V) as LabelLogits), no grad, for
     EAGLE-3 and DFlash, online (a target forward) or offline (features.dir)."""
     head, dtype = FrozenHead.from_target(target, "normed"), drafter.fc.weight.dtype
@@ -274,7 +236,8 @@ def stored_inputs(head: FrozenHead, batch: dict, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], recipe: EagleRecipe, accelerator) -> dict:
+def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], recipe: Eagle3Recipe,
+                    accelerator) -> dict:
     """Per TTT step k (k = 1 .. K, step k drafts the k-th token of a chain):
         acc_k          = correct top-1 / supervised positions (target argmax outside the draft vocab
                          counts as a miss: the drafter can never propose it)
@@ -314,7 +277,7 @@ def format_eval(result: dict) -> str:
 
 
 class EagleRun(RunBase):
-    """The run of the feature-level families of train/eagle.py (EAGLE-3, DFlash, EAGLE-1): one objective call on
+    """The run of the feature-level families (EAGLE-3, EAGLE-1, DFlash, DSpark, P-EAGLE): one objective call on
     (features, input ids, target logits, loss mask, the target's embedding); the family's own inputs,
     evaluation and summary come from its TrainingFamily entry."""
 

@@ -1,100 +1,122 @@
-"""Every drafter family the trainers train, and the one run they share.
+"""Every drafter family the trainer trains, and the one run they share.
 
-    recipe = load_recipe(argv, "train/eagle.py")   # YAML + key=value -> the family's recipe, checked
-    summary = train(recipe)                        # target, split, drafter, loop, checkpoint-final
+    recipe = load_recipe(argv)      # YAML + key=value -> the schema of the recipe's `drafter`, checked
+    summary = train(recipe)         # target, split, drafter, loop, checkpoint-final
 
 TRAINING_FAMILIES holds one drafters.training.family.TrainingFamily per family, keyed as drafters.registry.FAMILIES
-(tests/test_families.py keeps the tables in step). train() reads only the entry: adding a family is its modules
-(model, training, proposer, export) plus one entry in each table.
+(tests/test_families.py keeps the tables in step). load_recipe and train() read only the entry: adding a family is
+its modules (model, training, proposer, export) plus one entry in each table.
 """
+
+import dataclasses
+import difflib
 
 from accelerate.utils import set_seed
 
+from drafters.training.checkpoints import field_default
 from drafters.training.batches import length_sorted_batches, pad_id, train_loader
 from drafters.training.data import collate
-from drafters.training.dflash import build_dflash, evaluate_dflash, format_dflash_eval
-from drafters.training.eagle1 import build_eagle1, eagle1_inputs_fn, eagle1_layer_spec, evaluate_eagle1
+from drafters.training.dflash import DFlashRecipe, build_dflash, evaluate_dflash, format_dflash_eval
+from drafters.training.dspark import DSparkRecipe, build_dspark
+from drafters.training.eagle1 import Eagle1Recipe, build_eagle1, eagle1_inputs_fn, eagle1_layer_spec, evaluate_eagle1
 from drafters.training.eagle3 import (
-    EagleRecipe,
+    Eagle3Recipe,
     EagleRun,
     build_eagle3,
     choose_draft_vocab,
     eagle3_layer_spec,
-    dflash_problems,
-    dspark_problems,
-    peagle_problems,
-    eagle1_problems,
-    eagle_problems,
     evaluate_eagle3,
     format_eval,
     target_inputs_fn,
 )
-from drafters.training.dspark import build_dspark
 from drafters.training.family import TrainingFamily
-from drafters.training.peagle import build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.training.heads import (
-    HeadsRecipe,
+    BlockwiseRecipe,
     HeadsRun,
+    MedusaRecipe,
     build_blockwise,
     build_medusa,
     check_heads_have_labels,
-    heads_problems,
 )
 from drafters.training.loop import Summary, fit, start_run
+from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, read_recipe
 from drafters.training.schema import load_train_recipe
 
-_EAGLE = dict(script="train/eagle.py", recipe=EagleRecipe, run=EagleRun)
-_HEADS = dict(script="train/heads.py", recipe=HeadsRecipe, problems=heads_problems, run=HeadsRun,
-              loss_parts="per head", check_rows=check_heads_have_labels)
+# the feature-level families read the target's fused aux layers (EAGLE-3's inputs and store) unless they say not
+_FUSED = dict(run=EagleRun, store_layout="eagle3", layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
+              draft_vocab=True)
+_HEADS = dict(run=HeadsRun, loss_parts="per head", check_rows=check_heads_have_labels)
 TRAINING_FAMILIES: dict[str, TrainingFamily] = {
-    "eagle3": TrainingFamily("eagle3", **_EAGLE, problems=eagle_problems, build=build_eagle3,
-                             loss_parts="per TTT step", draft_vocab=True, store_layout="eagle3",
-                             layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
-                             evaluate=evaluate_eagle3, describe=format_eval),
+    "eagle3": TrainingFamily("eagle3", recipe=Eagle3Recipe, build=build_eagle3, loss_parts="per TTT step",
+                             evaluate=evaluate_eagle3, describe=format_eval, **_FUSED),
     # DFlash reads EAGLE-3's stored layout: one store serves both at the same layers
-    "dflash": TrainingFamily("dflash", **_EAGLE, problems=dflash_problems, build=build_dflash,
-                             loss_parts="per block slot", draft_vocab=True, store_layout="eagle3",
-                             layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
-                             evaluate=evaluate_dflash, describe=format_dflash_eval),
+    "dflash": TrainingFamily("dflash", recipe=DFlashRecipe, build=build_dflash, loss_parts="per block slot",
+                             evaluate=evaluate_dflash, describe=format_dflash_eval, **_FUSED),
     # DSpark is DFlash plus its Markov head: DFlash's objective, evaluation and store
-    "dspark": TrainingFamily("dspark", **_EAGLE, problems=dspark_problems, build=build_dspark,
-                             loss_parts="per block slot", draft_vocab=True, store_layout="eagle3",
-                             layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
-                             evaluate=evaluate_dflash, describe=format_dflash_eval),
-    "peagle": TrainingFamily("peagle", **_EAGLE, problems=peagle_problems, build=build_peagle,
-                             loss_parts="per depth", draft_vocab=True, store_layout="eagle3",
-                             layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
-                             evaluate=evaluate_peagle, describe=format_peagle_eval),
-    "eagle1": TrainingFamily("eagle1", **_EAGLE, problems=eagle1_problems, build=build_eagle1,
-                             loss_parts="feature, token", store_layout="eagle1",
-                             layer_spec=eagle1_layer_spec, inputs=eagle1_inputs_fn,
-                             evaluate=evaluate_eagle1, describe=format_eval),
-    "medusa": TrainingFamily("medusa", **_HEADS, build=build_medusa),
-    "blockwise": TrainingFamily("blockwise", **_HEADS, build=build_blockwise),
+    "dspark": TrainingFamily("dspark", recipe=DSparkRecipe, build=build_dspark, loss_parts="per block slot",
+                             evaluate=evaluate_dflash, describe=format_dflash_eval, **_FUSED),
+    "peagle": TrainingFamily("peagle", recipe=PEagleRecipe, build=build_peagle, loss_parts="per depth",
+                             evaluate=evaluate_peagle, describe=format_peagle_eval, **_FUSED),
+    "eagle1": TrainingFamily("eagle1", recipe=Eagle1Recipe, build=build_eagle1, loss_parts="feature, token",
+                             run=EagleRun, store_layout="eagle1", layer_spec=eagle1_layer_spec,
+                             inputs=eagle1_inputs_fn, evaluate=evaluate_eagle1, describe=format_eval),
+    "medusa": TrainingFamily("medusa", recipe=MedusaRecipe, build=build_medusa, **_HEADS),
+    "blockwise": TrainingFamily("blockwise", recipe=BlockwiseRecipe, build=build_blockwise, **_HEADS),
 }
-# Each script's default family, when a recipe names none (the schema's default `drafter`).
-SCRIPT_DEFAULTS = {"train/eagle.py": "eagle3", "train/heads.py": "medusa"}
+DEFAULT_FAMILY = "eagle3"  # a recipe that names no `drafter`
 
 
-def load_recipe(argv: list[str], script: str):
-    """The recipe of argv (RECIPE.yaml [key=value ...]) in its family's schema, every problem named at once. A
-    recipe of a family another script trains is sent there, instead of failing on the first key of its family
-    (medusa's num_heads: 'did you mean threads?')."""
+def load_recipe(argv: list[str], default: str = DEFAULT_FAMILY):
+    """The recipe of argv (RECIPE.yaml [key=value ...]) in the schema of its `drafter`'s family, every problem
+    named at once. A field another family reads is refused with the families that read it, unless it holds that
+    family's default (a recipe copied from another family's keeps working; nothing it says is lost)."""
     raw = read_recipe(argv[0], argv[1:])
-    drafter = raw.get("drafter", SCRIPT_DEFAULTS[script])
-    family = TRAINING_FAMILIES.get(drafter) if isinstance(drafter, str) else None
-    if family is not None and family.script != script:
-        raise RecipeError(f"recipe {argv[0]} trains drafter={drafter}: run it with {family.script}")
-    if family is None:  # an unknown or mistyped drafter: the script's schema names the choices
-        family = TRAINING_FAMILIES[SCRIPT_DEFAULTS[script]]
-    return load_train_recipe(argv, family.recipe, family.problems, raw=raw)
+    name = raw.get("drafter", default)
+    if not isinstance(name, str) or name not in TRAINING_FAMILIES:
+        close = difflib.get_close_matches(str(name), TRAINING_FAMILIES, n=1)
+        raise RecipeError(f"{argv[0]}: drafter={name!r} is not a family this trainer trains; choose one of "
+                          f"{', '.join(TRAINING_FAMILIES)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    family = TRAINING_FAMILIES[name]
+    own = {f.name for f in dataclasses.fields(family.recipe)}
+    foreign, dropped = [], set()
+    for key in [k for k in raw if k not in own]:
+        readers = [other for other, entry in TRAINING_FAMILIES.items() if key in fields_of(entry.recipe)]
+        if not readers:
+            continue  # not a field of any family: the schema names it (with a close match)
+        # another family's default says nothing this family could read; any other value is refused
+        value = raw.pop(key)
+        dropped.add(key)
+        if not all(says_default(value, fields_of(TRAINING_FAMILIES[r].recipe)[key]) for r in readers):
+            foreign.append(f"{key}={value} is read by drafter: {', '.join(readers)} only, not {name}; remove it")
+    overrides = [o for o in argv[1:] if o.partition("=")[0].strip().split(".")[0] not in dropped]
+    return load_train_recipe([argv[0], *overrides], family.recipe, lambda recipe: foreign, raw=raw)
 
 
-def train(recipe, tag: str) -> Summary:
-    """One training run of recipe.drafter's family; `tag` prefixes its printed lines."""
+def fields_of(schema: type) -> dict:
+    """{field name: its default as plain data} of a recipe schema."""
+    return {f.name: field_default(f) for f in dataclasses.fields(schema)}
+
+
+def says_default(value, default) -> bool:
+    """A recipe value that changes nothing: null, the default, or a section whose given keys hold their defaults."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return all(k in default and says_default(v, default[k]) for k, v in value.items())
+    return value is None or value == default
+
+
+def train_main(argv: list[str], script: str, default: str = DEFAULT_FAMILY) -> Summary:
+    """The training entry point (train/train.py, and its aliases train/eagle.py and train/heads.py)."""
+    if not argv:
+        raise SystemExit(f"usage: python {script} RECIPE.yaml [key=value ...]   (any family: the recipe's `drafter`)")
+    return train(load_recipe(argv, default))
+
+
+def train(recipe, tag: str | None = None) -> Summary:
+    """One training run of recipe.drafter's family; `tag` (default: the family's name) prefixes its printed lines."""
     family = TRAINING_FAMILIES[recipe.drafter]
+    tag = tag or recipe.drafter
     accelerator, target, resume, train_rows, held_out = start_run(recipe, tag)
     say = accelerator.print
     store = None

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TrainingFamily:
     name: str  # the recipe's `drafter` value and drafters.registry's key
-    script: str  # the entry script that trains it (a recipe of this family given to another script is sent here)
-    recipe: type  # its recipe schema: a drafters.training.schema.TrainRecipe subclass
-    problems: Callable  # (recipe) -> [str]: its own fields' problems (the shared sections check themselves)
+    # its recipe schema: a drafters.training.schema.TrainRecipe subclass in the family's training module, holding the
+    # family's own fields (and no other family's) and naming their problems in problems()
+    recipe: type
     # (recipe, target, train_rows, vocab, say) -> the objective (an nn.Module whose .drafter is trained), called
     # right after set_seed(recipe.seed); vocab is the draft vocabulary when draft_vocab is set, else None
     build: Callable

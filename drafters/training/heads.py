@@ -1,4 +1,4 @@
-"""Training Medusa-1 and Blockwise heads on a frozen target (train/heads.py), online: target features are computed per
+"""Training Medusa-1 and Blockwise heads on a frozen target (train/train.py), online: target features are computed per
 batch. Two families of drafters.training.families.TRAINING_FAMILIES are made of what is here.
 
 Flow: recipe -> frozen target -> examples (chat template + assistant loss mask) -> deterministic
@@ -17,7 +17,7 @@ Held-out evaluation = calibration: per head, how often its rank-r candidate is t
 token; from these, the draft tree (tree.kind greedy: the tree.budget nodes of highest acceptance
 probability, drafters.training.heads_tree) and its predicted mean accepted length tau_pred.
 
-What a run writes: train/heads.py.
+What a run writes: train/train.py.
 """
 
 import json
@@ -65,40 +65,57 @@ class TreeOptions:
 
 @dataclass(kw_only=True)
 class HeadsRecipe(TrainRecipe):  # + target, data, optim, batches, steps, precision, checkpoints, logging
-    drafter: Literal["medusa", "blockwise"] = "medusa"
-    output_dir: str = "outputs/heads"
+    """What Medusa and Blockwise recipes share; each family's recipe adds its own section."""
+
     num_heads: int = 4  # head k predicts token t+k+2
-    medusa: MedusaOptions = field(default_factory=MedusaOptions)
-    blockwise: BlockwiseOptions = field(default_factory=BlockwiseOptions)
     distill: bool = False  # train on the target's distribution for token t+k+2 instead of the data token
     tree: TreeOptions = field(default_factory=TreeOptions)
 
-    def unread_fields(self) -> frozenset[str]:
-        return frozenset({"medusa": {"blockwise"}, "blockwise": {"medusa"}}[self.drafter])
+    def problems(self) -> list[str]:
+        problems = super().problems()
+        if self.num_heads < 1:
+            problems.append(f"num_heads={self.num_heads} must be >= 1")
+        if self.data.max_length < self.num_heads + 2:
+            # head k trains on (position t, token t+k+2): the last head needs K+2 tokens in a sequence
+            problems.append(f"num_heads={self.num_heads} needs data.max_length >= num_heads + 2 = "
+                            f"{self.num_heads + 2} (head k predicts token t+k+2), got {self.data.max_length}; lower "
+                            "num_heads or raise max_length")
+        tree = self.tree
+        if tree.budget < 1 or tree.topk < 1:
+            problems.append(f"tree.budget={tree.budget} and tree.topk={tree.topk} must be >= 1")
+        if tree.kind == "cartesian" and (not tree.cartesian or len(tree.cartesian) > self.num_heads
+                                         or min(tree.cartesian) < 1 or max(tree.cartesian) > tree.topk):
+            problems.append(f"tree.cartesian={tree.cartesian} must list 1..num_heads={self.num_heads} top-k values, "
+                            f"each in [1, tree.topk={tree.topk}] (depth d is drafted by head d-1)")
+        return problems
 
 
-def heads_problems(recipe: HeadsRecipe) -> list[str]:
-    """The heads fields' problems (the shared sections are TrainRecipe.problems')."""
-    problems = [] if recipe.num_heads >= 1 else [f"num_heads={recipe.num_heads} must be >= 1"]
-    data, medusa, tree = recipe.data, recipe.medusa, recipe.tree
-    if data.max_length < recipe.num_heads + 2:
-        # head k trains on (position t, token t+k+2): the last head needs K+2 tokens in a sequence
-        problems.append(f"num_heads={recipe.num_heads} needs data.max_length >= num_heads + 2 = {recipe.num_heads + 2} "
-                        f"(head k predicts token t+k+2), got {data.max_length}; lower num_heads or raise max_length")
-    if medusa.num_layers < 0 or medusa.step_weight <= 0:
-        problems.append(f"medusa.num_layers={medusa.num_layers} must be >= 0 and medusa.step_weight="
-                        f"{medusa.step_weight} > 0")
-    if recipe.blockwise.hidden_per_head < 0:
-        problems.append(f"blockwise.hidden_per_head={recipe.blockwise.hidden_per_head} must be >= 1 (0 = hidden size)")
-    if "blockwise" in recipe.unread_fields() and recipe.blockwise.loss != "mean":
-        problems.append(f"blockwise.loss={recipe.blockwise.loss} applies to drafter=blockwise only")
-    if tree.budget < 1 or tree.topk < 1:
-        problems.append(f"tree.budget={tree.budget} and tree.topk={tree.topk} must be >= 1")
-    if tree.kind == "cartesian" and (not tree.cartesian or len(tree.cartesian) > recipe.num_heads
-                                     or min(tree.cartesian) < 1 or max(tree.cartesian) > tree.topk):
-        problems.append(f"tree.cartesian={tree.cartesian} must list 1..num_heads={recipe.num_heads} top-k values, "
-                        f"each in [1, tree.topk={tree.topk}] (depth d is drafted by head d-1)")
-    return problems
+@dataclass(kw_only=True)
+class MedusaRecipe(HeadsRecipe):
+    drafter: Literal["medusa"] = "medusa"
+    output_dir: str = "outputs/medusa"
+    medusa: MedusaOptions = field(default_factory=MedusaOptions)
+
+    def problems(self) -> list[str]:
+        problems, medusa = super().problems(), self.medusa
+        if medusa.num_layers < 0 or medusa.step_weight <= 0:
+            problems.append(f"medusa.num_layers={medusa.num_layers} must be >= 0 and medusa.step_weight="
+                            f"{medusa.step_weight} > 0")
+        return problems
+
+
+@dataclass(kw_only=True)
+class BlockwiseRecipe(HeadsRecipe):
+    drafter: Literal["blockwise"] = "blockwise"
+    output_dir: str = "outputs/blockwise"
+    blockwise: BlockwiseOptions = field(default_factory=BlockwiseOptions)
+
+    def problems(self) -> list[str]:
+        problems = super().problems()
+        if self.blockwise.hidden_per_head < 0:
+            problems.append(f"blockwise.hidden_per_head={self.blockwise.hidden_per_head} must be >= 1 "
+                            "(0 = hidden size)")
+        return problems
 
 
 def check_heads_have_labels(recipe: HeadsRecipe, rows) -> None:
@@ -113,7 +130,7 @@ def check_heads_have_labels(recipe: HeadsRecipe, rows) -> None:
 # ---- set-up ---------------------------------------------------------------------------------------
 
 
-def medusa_heads(recipe: HeadsRecipe, target: Target) -> MedusaHeads:
+def medusa_heads(recipe: MedusaRecipe, target: Target) -> MedusaHeads:
     m = recipe.medusa
     config = MedusaConfig.from_target_config(target.config, num_heads=recipe.num_heads, num_layers=m.num_layers,
                                              share_lm_head=m.share_lm_head)
@@ -122,18 +139,18 @@ def medusa_heads(recipe: HeadsRecipe, target: Target) -> MedusaHeads:
     return drafter
 
 
-def blockwise_heads(recipe: HeadsRecipe, target: Target) -> BlockwiseHeads:
+def blockwise_heads(recipe: BlockwiseRecipe, target: Target) -> BlockwiseHeads:
     config = BlockwiseConfig.from_target_config(target.config, num_heads=recipe.num_heads,
                                                 hidden_per_head=recipe.blockwise.hidden_per_head)
     return BlockwiseHeads(config)
 
 
-def build_medusa(recipe: HeadsRecipe, target: Target, train_rows, vocab, say) -> "HeadsObjective":
+def build_medusa(recipe: MedusaRecipe, target: Target, train_rows, vocab, say) -> "HeadsObjective":
     """The family's build (drafters.training.family.TrainingFamily): the heads, wrapped in their objective."""
     return _heads_objective(medusa_heads(recipe, target), recipe, target, say)
 
 
-def build_blockwise(recipe: HeadsRecipe, target: Target, train_rows, vocab, say) -> "HeadsObjective":
+def build_blockwise(recipe: BlockwiseRecipe, target: Target, train_rows, vocab, say) -> "HeadsObjective":
     return _heads_objective(blockwise_heads(recipe, target), recipe, target, say)
 
 
@@ -151,11 +168,11 @@ def loss_weights(recipe: HeadsRecipe, micro_index: int | None = None) -> dict[in
     return LOSS_WEIGHTS[recipe.drafter](recipe, micro_index)
 
 
-def medusa_weights(recipe: HeadsRecipe, micro_index: int | None) -> dict[int, float]:
+def medusa_weights(recipe: MedusaRecipe, micro_index: int | None) -> dict[int, float]:
     return {k: recipe.medusa.step_weight ** k for k in range(recipe.num_heads)}  # 0.8^k: Medusa's decay
 
 
-def blockwise_weights(recipe: HeadsRecipe, micro_index: int | None) -> dict[int, float]:
+def blockwise_weights(recipe: BlockwiseRecipe, micro_index: int | None) -> dict[int, float]:
     K = recipe.num_heads
     if recipe.blockwise.loss == "sample_one" and micro_index is not None:
         generator = torch.Generator().manual_seed(recipe.seed * 1_000_003 + micro_index)

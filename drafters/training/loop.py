@@ -122,7 +122,7 @@ def start_run(recipe, script: str):
     resume = resume_checkpoint(recipe, accelerator.print)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes,
-                     schema=type(recipe), unread=recipe.unread_fields())
+                     schema=type(recipe))
         check_trusted(resume, recipe)  # last: its trainer state is unpickled only after this
     train_rows, held_out = load_examples(recipe, target, accelerator.print)
     return accelerator, target, resume, train_rows, held_out

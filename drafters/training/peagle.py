@@ -1,10 +1,11 @@
-"""P-EAGLE pieces of train/eagle.py (drafter: peagle): its recipe section, the mask token, the objective
+"""Training P-EAGLE (drafter: peagle): its recipe, the mask token, the objective
 (every depth of the chains `drafters.peagle.sample_chains` keeps, in one pass, scored by one count-normalised
 soft cross-entropy over the draft vocabulary), and the held-out evaluation. Inputs (fused aux layers + the
 target's logits, online or from the EAGLE-3 feature store), the draft vocabulary and the loop are EAGLE-3's.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +15,9 @@ from drafters.eagle3 import ttt_label_mask, ttt_label_rows
 from drafters.losses import soft_cross_entropy, supervised_targets
 from drafters.peagle import PEagleConfig, PEagleDrafter, chain_label_mask, sample_chains
 from drafters.training.dflash import choose_mask_token
+from drafters.training.eagle3 import DrafterNorms
 from drafters.training.recipe import RecipeError
+from drafters.training.schema import DraftVocabRecipe
 
 
 @dataclass
@@ -26,8 +29,18 @@ class PEagleOptions:
     mask_token_id: int | None = None  # null: the lowest target id that no training row contains
 
 
-def check_peagle(recipe) -> list[str]:
-    o, problems = recipe.peagle, []
+@dataclass(kw_only=True)
+class PEagleRecipe(DraftVocabRecipe, DrafterNorms):  # + target, data, ..., features, draft vocabulary, norms
+    drafter: Literal["peagle"] = "peagle"
+    output_dir: str = "outputs/peagle"
+    peagle: PEagleOptions = field(default_factory=PEagleOptions)
+
+    def problems(self) -> list[str]:
+        return super().problems() + self.norm_problems() + check_peagle(self.peagle)
+
+
+def check_peagle(o: PEagleOptions) -> list[str]:
+    problems = []
     if isinstance(o.depth, bool) or not isinstance(o.depth, int) or not 2 <= o.depth <= 64:
         problems.append(f"peagle.depth={o.depth!r} must be an integer in [2, 64] (tokens drafted per pass; depth 1 "
                         "is EAGLE-3 without its unroll)")
@@ -41,13 +54,13 @@ def check_peagle(recipe) -> list[str]:
     return problems
 
 
-def build_peagle(recipe, target, train_rows, vocab: DraftVocab, say) -> "PEagleObjective":
+def build_peagle(recipe: PEagleRecipe, target, train_rows, vocab: DraftVocab, say) -> "PEagleObjective":
     o = recipe.peagle
     try:
         mask_token_id = choose_mask_token(train_rows, target.vocab_size, o.mask_token_id)
     except ValueError as err:
         raise RecipeError(f"recipe: {err}".replace("dflash.", "peagle.")) from None
-    norms = {name: getattr(recipe, name) for name in ("norm_before_fc", "fc_norm", "norm_before_residual")}
+    norms = recipe.norms()
     config = PEagleConfig.from_target_config(target.config, vocab.size, recipe.layers, depth=o.depth,
                                              mask_token_id=mask_token_id, **norms)
     drafter = PEagleDrafter(config, vocab).to(target.device)

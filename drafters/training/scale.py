@@ -88,12 +88,12 @@ class StepResult:
 
 def recipe_for(setting: StepSetting, vocab_size: int):
     """The family's tiny recipe with the setting's overrides: the same checks a user's recipe gets."""
-    family = TRAINING_FAMILIES[setting.family]  # mask tokens: no training rows, so the lowest id (choose_mask_token)
+    # mask tokens: no training rows, so the lowest id (choose_mask_token)
     argv = [str(ROOT / "recipes" / f"{setting.family}_tiny.yaml"),
             f"draft_vocab_size={min(setting.draft_vocab, vocab_size)}",
             "draft_vocab_coverage=null", f"data.max_length={setting.seq_len}", "dtype=bfloat16",
             "mixed_precision=bf16", *setting.overrides]
-    return load_recipe(argv, family.script)
+    return load_recipe(argv)
 
 
 def build_step(setting: StepSetting, target: Target):

@@ -1,8 +1,10 @@
-"""The recipe sections every training script shares (`Data`, `Optim`, `TrainRecipe`) and their checks.
+"""The recipe sections every family shares (`Data`, `Optim`, `TrainRecipe`; the feature-level families'
+`FeatureRecipe` and `DraftVocabRecipe`) and their checks.
 
-Each family's recipe (drafters.training.eagle3.EagleRecipe, drafters.training.heads.HeadsRecipe) adds its
-own fields to TrainRecipe; load_train_recipe reads a YAML recipe plus key=value overrides into one and
-names every problem at once. Knows nothing about drafters, targets or the loop.
+Each family's recipe is its own subclass in its training module (drafters.training.eagle3.Eagle3Recipe,
+drafters.training.heads.MedusaRecipe, ...), holding its own fields and checking them in `problems()`, named by its
+TrainingFamily entry; load_train_recipe reads a YAML recipe plus key=value overrides into one and names every
+problem at once. Knows nothing about drafters, targets or the loop.
 """
 
 from dataclasses import dataclass, field
@@ -105,18 +107,54 @@ class TrainRecipe:
             found.append("set epochs or max_steps (or both: whichever ends first)")
         return found + self.data.problems() + self.optim.problems()
 
-    def unread_fields(self) -> frozenset[str]:
-        """Top-level fields this configuration never reads (another family's section): a resumed run
-        ignores changes to them (recipe_diff)."""
-        return frozenset()
+
+@dataclass
+class Features:  # offline target features (drafters.training.features; written by train/features.py)
+    dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
+    dtype: DtypeName = "bfloat16"  # storage dtype (train/features.py)
+    shard_rows: int = 512  # examples per safetensors shard (train/features.py)
+
+
+@dataclass(kw_only=True)
+class FeatureRecipe(TrainRecipe):
+    """The families trained on the target's hidden states, online or from a store (EAGLE-1, EAGLE-3, DFlash,
+    DSpark, P-EAGLE)."""
+
+    layers: list[int] | None = None  # HF hidden_states indices of the fused aux layers; null = [2, L//2, L-3]
+    features: Features = field(default_factory=Features)  # offline features (train/features.py)
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if self.features.shard_rows < 1:
+            found.append(f"features.shard_rows={self.features.shard_rows} must be >= 1")
+        return found
+
+
+@dataclass(kw_only=True)
+class DraftVocabRecipe(FeatureRecipe):
+    """The feature-level families that draft over a reduced vocabulary (drafters.draft_vocab)."""
+
+    draft_vocab_size: int = 32000  # capped at the target vocab (with a printed line)
+    # set (0 < c <= 1): draft_vocab_size = the smallest vocabulary whose ids cover this fraction of the
+    # supervised training tokens (drafters.draft_vocab.size_for_coverage); the coverage is printed either way
+    draft_vocab_coverage: float | None = None
+
+    def problems(self) -> list[str]:
+        found = super().problems()
+        if self.draft_vocab_size < 1:
+            found.append(f"draft_vocab_size={self.draft_vocab_size} must be >= 1")
+        if self.draft_vocab_coverage is not None and not 0 < self.draft_vocab_coverage <= 1:
+            found.append(f"draft_vocab_coverage={self.draft_vocab_coverage} must be in (0, 1] or null "
+                         "(null = draft_vocab_size as given)")
+        return found
 
 
 
 def load_train_recipe(argv: list[str], schema, own_problems=None, raw: dict | None = None):
     """argv = [RECIPE.yaml, key=value ...] read into `schema` (`raw`: the recipe already read, overrides
-    applied). Every check runs once, on one list: the shared sections' (TrainRecipe.problems) and the
-    family's own fields' (own_problems(recipe) -> [str]); one RecipeError names them all. Which schema a
-    recipe needs is drafters.training.families.load_recipe's business."""
+    applied). Every check runs once, on one list: the recipe's own (schema.problems(), its family's fields and
+    the shared sections') and the caller's (own_problems(recipe) -> [str]); one RecipeError names them all. Which
+    schema a recipe needs is drafters.training.families.load_recipe's business."""
     raw = read_recipe(argv[0], argv[1:]) if raw is None else raw
     for override in argv[1:]:
         check_override_key(schema, override)
