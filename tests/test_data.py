@@ -8,6 +8,7 @@ import torch
 from drafters.training.data import (
     DataError,
     Example,
+    NotPrefixStable,
     build_examples,
     collate,
     load_conversations,
@@ -90,15 +91,6 @@ def test_non_chatml_template():
     )
     tokens = tokenize_conversation(tokenizer, SYSTEM_CHAT[1:])
     assert masked_runs(tokenizer, tokens.input_ids, tokens.loss_mask) == [" " + a for a in ANSWERS]
-
-
-def test_template_that_is_not_prefix_stable_is_an_error():
-    tokenizer = build_tiny_tokenizer()
-    # the generation prompt opens an empty think block that rendered assistant turns do not have
-    tokenizer.chat_template = CHATML_TEMPLATE.replace(
-        "assistant\n' }}", "assistant\n<think></think>' }}")
-    with pytest.raises(DataError, match="(?s)not prefix-stable.*<think>"):
-        tokenize_conversation(tokenizer, SYSTEM_CHAT)
 
 
 def test_template_with_generation_blocks_uses_them():
@@ -334,3 +326,110 @@ def test_clean_data_says_nothing_about_evaluation_prompts(tmp_path):
                                                   {"role": "assistant", "content": "A pear."}]}) + "\n")
     _, report = load_conversations(str(path))
     assert report.contamination is None and "evaluation prompts" not in report.summary()
+
+
+# A thinking model's template, written here in the way Qwen3's stock template behaves: an assistant turn after the
+# last user message is rendered with its reasoning in a think block, every earlier one without it (so the rendering
+# of a turn changes once a later user turn follows: not prefix-stable).
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set thought = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content is not none "
+    "else '' -%}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<|im_start|>assistant\n<think>\n' + thought + '\n</think>\n\n' + m.content + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+REASONED_CHAT = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4.", "reasoning_content": "Add them."},
+]
+
+
+def thinking_tokenizer():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return tokenizer
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_the_model_wrote_it(tmp_path):
+    tokenizer = thinking_tokenizer()
+    path = write_jsonl(tmp_path / "r.jsonl", [{"messages": REASONED_CHAT}])
+    examples, report = build_examples(tokenizer, path, max_length=512)
+    assert [(e.row, e.turn) for e in examples] == [(1, 1), (1, 3)]  # one example per assistant turn, one row
+    assert report.kept == 1 and report.per_turn_rows == 1 and report.reasoning_turns == 2
+    # hand-marked: each example trains exactly its own turn, reasoning first, then the answer and <|im_end|>
+    first, second = examples
+    assert masked_runs(tokenizer, first.input_ids, first.loss_mask) == ["<think>\nGreet back.\n</think>\n\nHello!<|im_end|>"]
+    assert masked_runs(tokenizer, second.input_ids, second.loss_mask) == ["<think>\nAdd them.\n</think>\n\n4.<|im_end|>"]
+    # the second turn's context is what the model saw: the first answer without its reasoning, as the template
+    # renders history
+    assert tokenizer.decode(second.input_ids, skip_special_tokens=False) == (
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n"
+        "What is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd them.\n</think>\n\n4.<|im_end|>\n")
+    assert "2 assistant turns carry reasoning: trained as the model emits it" in report.summary()
+
+
+def test_a_think_block_in_the_content_is_the_reasoning_for_a_template_that_renders_the_field(tmp_path):
+    tokenizer = thinking_tokenizer()
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nWave.\n</think>\n\nHey!"}]
+    examples, _ = build_examples(tokenizer, write_jsonl(tmp_path / "b.jsonl", [{"messages": chat}]), max_length=512)
+    assert masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask) == [
+        "<think>\nWave.\n</think>\n\nHey!<|im_end|>"]  # not a second, empty think block
+
+
+def test_reasoning_for_a_template_without_the_field_is_trained_as_a_think_block(tmp_path, tokenizer):
+    # plain ChatML never renders reasoning_content: it goes into the content, where a thinking model writes it
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": REASONED_CHAT}])
+    examples, report = build_examples(tokenizer, path, max_length=512)
+    assert len(examples) == 1 and report.per_turn_rows == 0  # ChatML is prefix-stable: one example
+    assert masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask) == [
+        "<think>\nGreet back.\n</think>\n\nHello!<|im_end|>", "<think>\nAdd them.\n</think>\n\n4.<|im_end|>"]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_answer_only_is_explicit_and_reported(tmp_path, thinking):
+    tokenizer = thinking_tokenizer() if thinking else build_tiny_tokenizer()
+    path = write_jsonl(tmp_path / "a.jsonl", [{"messages": REASONED_CHAT}])
+    examples, report = build_examples(tokenizer, path, max_length=512, reasoning="answer_only")
+    runs = [run for e in examples for run in masked_runs(tokenizer, e.input_ids, e.loss_mask)]
+    if thinking:  # the template itself writes an empty think block where the model would think
+        assert runs == ["<think>\n\n</think>\n\nHello!<|im_end|>", "<think>\n\n</think>\n\n4.<|im_end|>"]
+    else:
+        assert runs == ["Hello!<|im_end|>", "4.<|im_end|>"]
+    assert "2 assistant turns carry reasoning: dropped: the answer alone is trained" in report.summary()
+    with pytest.raises(DataError, match="data.reasoning='think': choose one of train, answer_only"):
+        build_examples(tokenizer, path, max_length=512, reasoning="think")
+
+
+def test_a_template_that_cannot_place_a_turn_skips_the_row_instead_of_refusing_the_data(tmp_path, tokenizer):
+    # the generation prompt opens an empty think block that rendered assistant turns do not have: no rendering
+    # places the answer, so that row is skipped and counted; the other template's rows are unaffected
+    broken = build_tiny_tokenizer()
+    broken.chat_template = CHATML_TEMPLATE.replace("assistant\n' }}", "assistant\n<think></think>' }}")
+    with pytest.raises(NotPrefixStable, match="(?s)not prefix-stable.*<think>"):
+        tokenize_conversation(broken, SYSTEM_CHAT)
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": SYSTEM_CHAT}, {"conversations": SYSTEM_CHAT[1:3]}])
+    with pytest.raises(DataError, match=r"(?s)skipped 2 x chat template cannot place an assistant turn.*<think>"):
+        build_examples(broken, path, max_length=512)
+
+
+def test_the_split_keeps_a_rows_turns_together(tmp_path):
+    from types import SimpleNamespace
+
+    from drafters.training.batches import load_examples
+    from drafters.training.schema import Data
+
+    path = write_jsonl(tmp_path / "many.jsonl", [{"messages": REASONED_CHAT}] * 20)
+    recipe = SimpleNamespace(data=Data(path=path, max_length=512, eval_rows=5))
+    train_rows, held_out = load_examples(recipe, SimpleNamespace(tokenizer=thinking_tokenizer()), lambda *_: None)
+    assert len(held_out) == 10 and len(train_rows) == 30  # 5 and 15 rows, two examples each
+    assert not {e.row for e in held_out} & {e.row for e in train_rows}

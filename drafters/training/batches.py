@@ -17,18 +17,21 @@ from drafters.training.schema import Optim
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,
-                                      fmt=data.fmt, split=data.split, limit=data.limit)
+                                      fmt=data.fmt, split=data.split, limit=data.limit, reasoning=data.reasoning)
     say(report.summary())
-    num_held_out = data.eval_rows if data.eval_rows is not None else round(len(examples) * data.eval_fraction)
-    if num_held_out >= len(examples):
-        raise RecipeError(f"data.eval_rows / eval_fraction hold out {num_held_out} of the {len(examples)} "
-                          "usable examples, leaving none to train on; lower them")
-    # The split is a permutation by data.seed of the usable examples: the same file, max_length and
-    # limit give the same held-out rows whatever the training seed.
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(data.seed)).tolist()
-    held_out = [examples[i] for i in sorted(order[:num_held_out])]
+    # The split is by data row (a row trained one assistant turn per example keeps all its turns on one side): a
+    # permutation by data.seed of the usable rows, so the same file, max_length and limit give the same held-out rows
+    # whatever the training seed. With one example per row it is the permutation of the examples.
+    rows = list(dict.fromkeys(e.row for e in examples))  # in file order
+    num_held_out = data.eval_rows if data.eval_rows is not None else round(len(rows) * data.eval_fraction)
+    if num_held_out >= len(rows):
+        raise RecipeError(f"data.eval_rows / eval_fraction hold out {num_held_out} of the {len(rows)} "
+                          "usable rows, leaving none to train on; lower them")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(data.seed)).tolist()
     kept = order[num_held_out:] if data.train_rows is None else order[num_held_out:num_held_out + data.train_rows]
-    train_rows = [examples[i] for i in sorted(kept)]
+    held_out_rows, train_row_set = {rows[i] for i in order[:num_held_out]}, {rows[i] for i in kept}
+    held_out = [e for e in examples if e.row in held_out_rows]
+    train_rows = [e for e in examples if e.row in train_row_set]
     say(f"{len(train_rows)} training examples ({sum(map(num_tokens, train_rows))} tokens), "
         f"{len(held_out)} held out")
     return train_rows, held_out

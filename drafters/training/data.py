@@ -15,6 +15,11 @@ Row formats (`fmt="auto"` detects per row):
     text      {"text": str}        plain text for base models: loss on every token
     prompt    {"prompt": str}      a single user turn (for train/regenerate.py; no assistant turn)
 
+Assistant turns may carry reasoning (`reasoning_content`, or a leading <think> block): it is trained as the model
+emits it, or dropped with data.reasoning=answer_only (with_reasoning). A template that rewrites earlier turns
+(thinking models drop their think blocks) is trained one assistant turn per example, each in the context the model
+saw when it wrote it (conversation_tokens).
+
 Bad rows are skipped and counted in a `SkipReport` (reason, file:row, field); problems with the
 whole input (missing file, no chat template, nothing left) raise `DataError` saying what to do.
 """
@@ -56,6 +61,13 @@ class RowError(ValueError):
         self.detail = detail
 
 
+class NotPrefixStable(RowError):
+    """The chat template renders an assistant turn differently once later turns follow it (it rewrites history)."""
+
+    def __init__(self, detail: str):
+        super().__init__("chat template cannot place an assistant turn", detail)
+
+
 @dataclass
 class Conversation:
     messages: list[dict[str, str]]  # [{"role": "system" | "user" | "assistant", "content": str}]
@@ -72,6 +84,13 @@ class Example:
     loss_mask: list[int]  # loss_mask[t] = 1 iff token t is a target the drafter learns to predict
     row: int
     source: str
+    # 0: the whole conversation; i > 0: assistant turn i (its index in the messages) alone, in the context the model
+    # saw when it wrote it, for templates that rewrite earlier turns (conversation_tokens)
+    turn: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:  # unique per example of one data file
+        return self.row, self.turn
 
 
 @dataclass
@@ -91,6 +110,9 @@ class SkipReport:
     truncated: int = 0                                            # rows kept but cut to max_length
     max_examples: int = 3
     contamination: str | None = None                              # drafters.training.contamination's line
+    reasoning_turns: int = 0                                      # assistant turns that carry reasoning
+    reasoning: str = "train"                                      # what was done with it (Data.reasoning)
+    per_turn_rows: int = 0                                        # rows trained one assistant turn per example
 
     def skip(self, reason: str, where: str, detail: str) -> None:
         self.skipped[reason] += 1
@@ -104,6 +126,13 @@ class SkipReport:
         for reason, count in self.skipped.most_common():
             lines.append(f"  skipped {count} x {reason}, e.g.")
             lines.extend(f"    {example}" for example in self.examples[reason])
+        if self.reasoning_turns:
+            done = ("trained as the model emits it (a think block before the answer)" if self.reasoning == "train"
+                    else "dropped: the answer alone is trained (data.reasoning=answer_only)")
+            lines.append(f"  {self.reasoning_turns} assistant turns carry reasoning: {done}")
+        if self.per_turn_rows:
+            lines.append(f"  {self.per_turn_rows} rows trained one assistant turn per example: the chat template "
+                         "rewrites earlier turns, so each turn is trained in the context the model saw when it wrote it")
         if self.contamination:
             lines.append(f"  warning: {self.source} {self.contamination}")
         return "\n".join(lines)
@@ -282,7 +311,14 @@ def _parse_turns(row: dict, fmt: str) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise RowError("non-string content",
                            f"{where}.{content_key} is {type(content).__name__}, not a string")
-        messages.append({"role": roles[role], "content": content})
+        message = {"role": roles[role], "content": content}
+        reasoning = turn.get("reasoning_content", turn.get("reasoning"))  # OpenAI-compatible servers' names
+        if reasoning is not None and roles[role] == "assistant":
+            if not isinstance(reasoning, str):
+                raise RowError("non-string reasoning", f"{where}.reasoning_content is {type(reasoning).__name__}, "
+                               "not a string")
+            message["reasoning_content"] = reasoning
+        messages.append(message)
     return messages
 
 
@@ -306,10 +342,63 @@ def _check_has_assistant(messages: list[dict[str, str]]) -> None:
 # Tokenising: assistant-only loss mask from the chat template's character offsets
 
 
+REASONING = ("train", "answer_only")
+THINK_BLOCK = re.compile(r"^\s*<think>.*?</think>\s*", re.S)  # a reasoning block written into the content
+
+
+def with_reasoning(tokenizer, messages: list[dict], mode: str = "train") -> tuple[list[dict], int]:
+    """-> (the messages as the template renders them, assistant turns that carry reasoning).
+
+    An assistant turn's reasoning (its `reasoning_content`, or a leading <think>...</think> block in its content) is
+    trained as the model emits it (mode "train"): a template that renders `reasoning_content` (Qwen3, DeepSeek-R1
+    style) gets it in that field; any other template gets it in the content as a think block before the answer,
+    where such models write it. Mode "answer_only" drops it, and the answer alone is trained."""
+    renders_field = "reasoning_content" in (tokenizer.chat_template or "")
+    out, carried = [], 0
+    for message in messages:
+        block = THINK_BLOCK.match(message["content"]) if message["role"] == "assistant" else None
+        reasoning = message.get("reasoning_content")
+        if reasoning is None and block is None:
+            out.append(message)
+            continue
+        carried += 1
+        answer = message["content"][block.end():] if block else message["content"]
+        if reasoning is None:  # the block's text, without its tags
+            reasoning = block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
+        if mode == "answer_only":
+            out.append({"role": "assistant", "content": answer})
+        elif renders_field:
+            out.append({"role": "assistant", "content": answer, "reasoning_content": reasoning.strip("\n")})
+        elif message.get("reasoning_content") is None:  # the content is the model's text, its think block included
+            out.append({"role": "assistant", "content": message["content"]})
+        else:
+            out.append({"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{answer}"})
+    return out, carried
+
+
+def conversation_tokens(tokenizer, messages: list[dict], *, max_length: int | None = None
+                        ) -> list[tuple[int, Tokens]]:
+    """-> [(turn, Tokens)]: [(0, the whole conversation)] where the template renders every assistant turn the same
+    with and without the turns after it (tokenize_conversation). A template that rewrites earlier turns (Qwen3 drops
+    their think blocks) shows the model, when it writes turn i, a history unlike the final rendering: then each
+    assistant turn i is its own example, messages[:i+1] rendered as the serving engine renders it for that turn, with
+    only turn i trained. A template whose generation prompt is not how it renders an answer (and that marks no
+    {% generation %} blocks) cannot place a turn at all: NotPrefixStable, the row is skipped and counted."""
+    try:
+        return [(0, tokenize_conversation(tokenizer, messages, max_length=max_length))]
+    except NotPrefixStable:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(turns) < 2:
+            raise
+        return [(i, tokenize_conversation(tokenizer, messages[:i + 1], max_length=max_length, last_only=True))
+                for i in turns]
+
+
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *,
-                          max_length: int | None = None) -> Tokens:
+                          max_length: int | None = None, last_only: bool = False) -> Tokens:
     """Token ids of the rendered conversation; the mask covers each assistant turn's content and
-    its end-of-turn token, nothing of the prompt, the role headers or the default system prompt.
+    its end-of-turn token (only the last assistant turn's with last_only), nothing of the prompt, the role headers or
+    the default system prompt.
     """
     if tokenizer.chat_template is None:
         raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no chat template, so chat "
@@ -319,8 +408,12 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *,
     if messages[0]["role"] == "assistant":
         raise RowError("conversation starts with an assistant turn",
                        "no prompt precedes the first assistant turn")
-    full, spans = assistant_spans(tokenizer, messages)
-    if spans is None:  # template is not prefix-stable but marks {% generation %} blocks
+    try:
+        full, spans = assistant_spans(tokenizer, messages, last_only=last_only)
+    except NotPrefixStable:
+        if last_only or not GENERATION_TAG.search(tokenizer.chat_template):
+            raise
+        # not prefix-stable, but the template marks {% generation %} blocks: its own assistant mask
         return _truncate(*_generation_mask(tokenizer, messages), max_length)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [int(any(start < end_ and end > start_ for start_, end_ in spans))
@@ -333,26 +426,25 @@ def tokenize_text(tokenizer, text: str, *, max_length: int | None = None) -> Tok
     return _truncate(input_ids, [1] * len(input_ids), max_length)
 
 
-def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]] | None]:
-    """The full rendering and the [start, end) character span of every assistant turn.
+def assistant_spans(tokenizer, messages, last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character span of every assistant turn (the last one only with
+    last_only).
 
     Turn i spans from the end of the rendering of messages[:i] with the generation prompt (P)
     to the end-of-turn token inside the rendering of messages[:i+1] (S): the template's
-    trailing newline is not trained, the end-of-turn token is. Returns (full, None) when P is
-    not a prefix of S but the template has {% generation %} blocks.
+    trailing newline is not trained, the end-of-turn token is. Raises NotPrefixStable when P is
+    not a prefix of S, or S not a prefix of the full rendering.
     """
     full = render(tokenizer, messages)
     end_tokens = end_of_turn_tokens(tokenizer)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (last_only and i != len(messages) - 1):
             continue
         prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
         turn = render(tokenizer, messages[: i + 1])
         if not (turn.startswith(prompt) and full.startswith(turn)):
-            if GENERATION_TAG.search(tokenizer.chat_template):
-                return full, None
-            raise DataError(_prefix_problem(tokenizer, i, prompt, turn, full))
+            raise NotPrefixStable(_prefix_problem(tokenizer, i, prompt, turn, full))
         spans.append((len(prompt), _end_of_turn(turn, len(prompt), end_tokens)))
     return full, spans
 
@@ -390,10 +482,9 @@ def _prefix_problem(tokenizer, i: int, prompt: str, turn: str, full: str) -> str
     return (f"chat template of {tokenizer.name_or_path!r} is not prefix-stable: the rendering of "
             f"messages[:{i}] with add_generation_prompt=True is not a prefix of the rendering of "
             f"{what} (they differ at character {common}: {prompt[common:common + 40]!r} vs "
-            f"{other[common:common + 40]!r}), so assistant turn {i} cannot be located. Templates "
-            "that rewrite earlier turns or whose generation prompt differs from the rendered "
-            "assistant header need {% generation %} blocks around assistant content; add them, "
-            "or train on a plain-text dataset (fmt=text)")
+            f"{other[common:common + 40]!r}), so assistant turn {i} cannot be located. A template "
+            "whose generation prompt differs from how it renders an answer needs {% generation %} "
+            "blocks around assistant content; add them, or train on a plain-text dataset (fmt=text)")
 
 
 def _generation_mask(tokenizer, messages) -> tuple[list[int], list[int]]:
@@ -414,30 +505,38 @@ def _truncate(input_ids: list[int], loss_mask: list[int], max_length: int | None
 
 
 def build_examples(tokenizer, path_or_name: str, *, max_length: int, fmt: str = "auto",
-                   split: str = "train", limit: int | None = None
+                   split: str = "train", limit: int | None = None, reasoning: str = "train"
                    ) -> tuple[list[Example], SkipReport]:
+    """Examples of every usable row (one per row, or one per assistant turn: conversation_tokens), and the report
+    of what was read, skipped, truncated and done with reasoning (`reasoning`: with_reasoning's mode)."""
+    if reasoning not in REASONING:
+        raise DataError(f"data.reasoning={reasoning!r}: choose one of {', '.join(REASONING)}")
     conversations, report = load_conversations(path_or_name, split=split, fmt=fmt, limit=limit)
+    report.reasoning = reasoning
     examples = []
     for conversation in conversations:
         where = f"{conversation.source}:{conversation.row}"
         try:
             if conversation.text is not None:
-                tokens = tokenize_text(tokenizer, conversation.text, max_length=max_length)
+                turns = [(0, tokenize_text(tokenizer, conversation.text, max_length=max_length))]
             else:
-                tokens = tokenize_conversation(tokenizer, conversation.messages,
-                                               max_length=max_length)
+                messages, carried = with_reasoning(tokenizer, conversation.messages, reasoning)
+                turns = conversation_tokens(tokenizer, messages, max_length=max_length)
+                report.reasoning_turns += carried
         except RowError as err:
             report.skip(err.reason, where, err.detail)
             continue
-        if not any(tokens.loss_mask):
-            length = len(tokens.input_ids) + tokens.num_truncated
+        kept = [(turn, tokens) for turn, tokens in turns if any(tokens.loss_mask)]
+        if not kept:
+            length = len(turns[0][1].input_ids) + turns[0][1].num_truncated
             report.skip("no trainable token within max_length", where,
                         f"{length} tokens, max_length={max_length}")
             continue
-        report.truncated += tokens.num_truncated > 0
-        examples.append(Example(tokens.input_ids, tokens.loss_mask, conversation.row,
-                                conversation.source))
-    report.kept = len(examples)
+        report.truncated += any(tokens.num_truncated > 0 for _, tokens in kept)
+        report.per_turn_rows += turns[0][0] != 0
+        examples.extend(Example(tokens.input_ids, tokens.loss_mask, conversation.row, conversation.source, turn)
+                        for turn, tokens in kept)
+    report.kept = len({e.row for e in examples})
     if not examples:
         raise DataError(f"no usable examples left (max_length={max_length}):\n{report.summary()}")
     return examples, report

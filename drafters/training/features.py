@@ -57,7 +57,8 @@ from drafters.training.batches import LengthBuckets, num_tokens
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
 RANK_INDEX = "index-rank{rank}.json"  # the shards one of several writing processes finished
-DATA_FIELDS = ("fmt", "split", "max_length", "limit")  # shape the stored rows; eval_* / seed only split them
+DATA_FIELDS = ("fmt", "split", "max_length", "limit", "reasoning")  # shape the stored rows; eval_*, seed split them
+DATA_ADDED = {"reasoning": "train"}  # data fields added since stores were first written: theirs held this value
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")
 STORED_VALUES = ("features", "label_hidden")  # per-token tensors a shard may hold, besides tokens and masks
@@ -94,7 +95,8 @@ def header_mismatch(stored: dict, current: dict) -> tuple[str, object, object] |
                current["layer_spec"]["features"]),
               ("dtype", stored.get("dtype"), current["dtype"])]  # bf16 features are not float32 ones
     checks += [(f"target.{k}", stored.get("target", {}).get(k), current["target"][k]) for k in TARGET_FIELDS]
-    checks += [(f"data.{k}", stored.get("data", {}).get(k), current["data"][k]) for k in ("sha256", *DATA_FIELDS)]
+    checks += [(f"data.{k}", stored.get("data", {}).get(k, DATA_ADDED.get(k)), current["data"][k])
+               for k in ("sha256", *DATA_FIELDS)]
     return next(((name, a, b) for name, a, b in checks if a != b), None)
 
 
@@ -235,6 +237,7 @@ def shard_tensors(target, rows: list[Example], spec: dict, dtype: torch.dtype, b
         "loss_mask": torch.tensor([m for e in rows for m in e.loss_mask], dtype=torch.bool),  # (N,)
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # (R+1,)
         "rows": torch.tensor([e.row for e in rows], dtype=torch.long),  # (R,)
+        "turns": torch.tensor([e.turn for e in rows], dtype=torch.long),  # (R,) drafters.training.data.Example.turn
     }
 
 
@@ -355,7 +358,7 @@ class FeatureStore:
             self._load_tokens()
         wrong = []
         for e in examples:
-            stored = self._by_row.get(e.row)
+            stored = self._by_key.get(e.key)
             if stored is None or self._ids[stored] != e.input_ids or self._masks[stored] != e.loss_mask:
                 wrong.append(e)
         if wrong:
@@ -363,17 +366,19 @@ class FeatureStore:
             raise FeatureStoreError(f"{self.directory}: {len(wrong)} examples are not stored as this run tokenizes "
                                     f"them (first: {e.source}:{e.row}); the data, tokenizer or chat template changed "
                                     "since train/features.py ran: recompute the features into a new features.dir")
-        return [self._by_row[e.row] for e in examples]
+        return [self._by_key[e.key] for e in examples]
 
     def _load_tokens(self) -> None:
-        self._by_row, self._ids, self._masks = {}, [], []
+        self._by_key, self._ids, self._masks = {}, [], []
         for name, _ in self.shards:
             with safe_open(self.directory / name, framework="pt") as f:
                 ids, masks = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").int().tolist()
                 offsets, rows = f.get_tensor("offsets").tolist(), f.get_tensor("rows").tolist()
-            for r, row in enumerate(rows):
+                # stores written before per-turn examples hold one example per row: turn 0
+                turns = f.get_tensor("turns").tolist() if "turns" in f.keys() else [0] * len(rows)
+            for r, (row, turn) in enumerate(zip(rows, turns)):
                 a, b = offsets[r], offsets[r + 1]
-                self._by_row[row] = len(self._where)
+                self._by_key[row, turn] = len(self._where)
                 self._where.append((name, a, b))
                 self._ids.append(ids[a:b])
                 self._masks.append(masks[a:b])

@@ -27,6 +27,9 @@ class Data:
     # train on N rows of the training split only (drawn by the same permutation; the held-out rows stay the full
     # data's): fewer distinct tokens, e.g. to compare epochs over them with one pass over more; null = all
     train_rows: int | None = None
+    # assistant turns' reasoning (reasoning_content, or a leading <think> block): "train" = as the model emits it,
+    # a think block before the answer; "answer_only" = dropped, the answer alone is trained (said in the data report)
+    reasoning: Literal["train", "answer_only"] = "train"
 
     def problems(self) -> list[str]:
         found = []
