@@ -80,3 +80,22 @@ def test_another_port_on_the_same_host_is_another_server(servers):
     with pytest.raises(ServerError, match="another host, not followed"):
         OpenAIServer(front, api_key="k").models()
     assert seen == []
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])  # vLLM / SGLang / llama-server; newer vLLM
+def test_a_chat_reply_keeps_the_reasoning_the_server_split_off(field):
+    from drafters.engines.openai_api import Transient, _reply
+
+    def answer(content, reasoning, finish="stop"):
+        message = {"role": "assistant", "content": content, **({field: reasoning} if reasoning is not None else {})}
+        return {"choices": [{"message": message, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 9}}
+
+    reply = _reply(answer("4.", "2 plus 2 is 4."), chat=True)
+    assert (reply.text, reply.reasoning) == ("4.", "2 plus 2 is 4.")
+    assert _reply(answer("4.", None), chat=True).reasoning is None
+    # cut while thinking: no answer yet, but the reasoning is the model's output and is kept
+    cut = _reply(answer(None, "Let me think", finish="length"), chat=True)
+    assert (cut.text, cut.reasoning, cut.finish_reason) == ("", "Let me think", "length")
+    with pytest.raises(Transient, match="empty reply"):
+        _reply(answer("", None), chat=True)

@@ -49,6 +49,9 @@ class Reply:
     finish_reason: str  # "stop" (end of turn or a stop string) or "length" (max_tokens reached)
     token_ids: tuple[int, ...] | None = None  # the generated ids, where the server says them (see reply_ids)
     logprobs: tuple[float, ...] | None = None  # the server's log-probability of each generated token, likewise
+    # chat mode: the reasoning a server split off the answer (vLLM's and SGLang's reasoning parsers, llama-server's
+    # --reasoning-format), under the message's reasoning_content (or reasoning); None where it sent none
+    reasoning: str | None = None
 
 
 def origin(url: str) -> tuple[str, str, int | None]:
@@ -132,7 +135,11 @@ def _reply(out: dict, chat: bool) -> Reply:
     ids, logprobs = reply_ids(choice.get("logprobs"))
     if ids is not None:
         reply = replace(reply, token_ids=ids, logprobs=logprobs)
-    if not isinstance(reply.text, str) or not reply.text.strip():
+    message = choice.get("message") if chat else None
+    reasoning = (message.get("reasoning_content") or message.get("reasoning")) if isinstance(message, dict) else None
+    if isinstance(reasoning, str) and reasoning.strip():
+        reply = replace(reply, reasoning=reasoning, text=reply.text if isinstance(reply.text, str) else "")
+    if not isinstance(reply.text, str) or not (reply.text.strip() or reply.reasoning):
         raise Transient("empty reply", f"finish_reason={reply.finish_reason}")
     return reply
 

@@ -459,7 +459,10 @@ def converse(client: OpenAIServer, model: str, target, conversation, recipe: Rec
                 stats.skipped[TOO_LONG_FOR_SERVER] += 1
             break
         turn += 1
-        history += turns + [{"role": "assistant", "content": reply.text}]
+        answer = {"role": "assistant", "content": reply.text}
+        if reply.reasoning is not None:  # kept: a thinking model's drafter drafts its reasoning too (data.reasoning)
+            answer["reasoning_content"] = reply.reasoning
+        history += turns + [answer]
         tokens += reply.completion_tokens
         cut += reply.finish_reason == "length"
     if not history:
