@@ -8,10 +8,12 @@ import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from drafters.targets import (
     SHORT_NAMES,
+    Target,
     ShippedGGUF,
     TargetError,
     assemble_gguf,
@@ -305,3 +307,35 @@ def test_gemma3_loads_and_cache_reproduces_logits(gemma3, real_cache):
     assert torch.equal(feats.logits, first.features(ids).logits)
     assert torch.equal(cached.final_norm(feats.pre_norm_last), feats.last_hidden)
     assert cached.tokenizer.decode(feats.logits[0, -1].argmax()).strip() != ""
+
+
+def tiny_target(config_class, **overrides) -> Target:
+    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          **overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    return Target(model, None, config.model_type)
+
+
+@pytest.mark.parametrize("config_class, overrides", [
+    ("LlamaConfig", {}),
+    ("GraniteConfig", {"logits_scaling": 4.0}),  # logits / 4
+    ("CohereConfig", {"logit_scale": 0.25}),  # logits * 0.25
+    ("Gemma2Config", {"final_logit_softcapping": 3.0}),  # 3 tanh(logits / 3)
+])
+def test_the_label_head_is_the_models_own_forward(config_class, overrides):
+    # the labels every family trains on come from FrozenHead over the final-normed hidden state; they must be the
+    # model's own logits, every head transform included (Granite and Cohere once trained on unscaled logits: the
+    # same argmax, another distribution)
+    from drafters.eagle1 import FrozenHead
+
+    target = tiny_target(getattr(transformers, config_class), **overrides)
+    target.lm_head.weight.mul_(30)  # logits of a few units, as a trained model's: the transforms then matter
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = target.model(ids, output_hidden_states=True)
+    labels = FrozenHead.from_target(target, "normed")(out.hidden_states[-1])
+    torch.testing.assert_close(labels, out.logits, rtol=1e-5, atol=1e-5)
+    if overrides:  # the transform matters: without it the distributions differ
+        plain = target.lm_head(out.hidden_states[-1])
+        assert (plain.softmax(-1) - out.logits.softmax(-1)).abs().sum(-1).mean() > 0.05
