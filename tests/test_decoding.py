@@ -282,3 +282,48 @@ def test_proposer_gets_target_features_at_committed_positions(request, name):
     torch.testing.assert_close(cat(lambda f: f.logits), full.logits[:, : len(tokens)], atol=1e-4, rtol=1e-4)
     pre_norm = cat(lambda f: f.pre_norm_last)
     torch.testing.assert_close(model.get_decoder().norm(pre_norm), full.hidden_states[-1][:, : len(tokens)], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=["MistralConfig", "Phi3Config"])
+def config_window(request):
+    # a sliding window set on the config alone, no layer_types (Mistral-7B-v0.1, Phi-3): every layer is windowed
+    import transformers
+
+    cls = getattr(transformers, request.param)
+    config = cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, sliding_window=8, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # varied greedy continuations
+    return model.eval()
+
+
+@torch.no_grad()
+def test_a_config_level_window_decodes_like_generate(config_window):
+    model = config_window
+    assert getattr(model.config, "layer_types", None) is None
+    prompt = _prompt(1, length=20)  # past the window of 8
+    cache = DynamicCache()
+    model(prompt[None], past_key_values=cache, use_cache=True)
+    tree = _random_tree("static", 42, torch.Generator().manual_seed(3))
+    logits = tree_forward(model, cache, tree).logits[0]
+    for path in tree.paths:
+        sequential = model(torch.cat([prompt, tree.tokens[path]])[None]).logits[0, -len(path):]
+        torch.testing.assert_close(logits[path], sequential, atol=1e-4, rtol=1e-4)
+    # the window matters here: without it, the tree's logits differ from the model's
+    unwindowed = model(tree.tokens[None], attention_mask=tree_attention_mask(tree, 20, model.dtype),
+                       position_ids=(20 + tree.depths)[None], past_key_values=cache_of(model, prompt)).logits[0]
+    assert (unwindowed - logits).abs().max() > 1e-3
+    reference = greedy_reference(model, prompt, 24)
+    for kind in ("chain:4", "dynamic"):
+        out, stats = speculative_generate(model, ReferenceProposer(reference, kind, 0.3, seed=5), prompt,
+                                          max_new_tokens=24)
+        assert out.tolist() == reference.tolist() and stats.tau > 1.5
+
+
+def cache_of(model, prompt):
+    cache = DynamicCache()
+    model(prompt[None], past_key_values=cache, use_cache=True)
+    return cache

@@ -70,8 +70,9 @@ def tree_attention_mask(tree: Tree, past: int, dtype: torch.dtype, sliding_windo
 def _model_masks(model, tree: Tree, past: int):
     config = model.config.get_text_config()
     if getattr(config, "layer_types", None) is None and getattr(config, "sliding_window", None) is not None:
-        raise NotImplementedError(f"tree decoding: {type(model).__name__} has a sliding window but no "
-                                  "`layer_types`; cannot tell which layers need the windowed mask")
+        # a window set on the config alone (Mistral-7B-v0.1, Phi-3 / 3.5 / 4-mini): every layer is windowed, as the
+        # model's own mask (transformers' sliding-window causal mask for all layers) has it
+        return tree_attention_mask(tree, past, model.dtype, config.sliding_window)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not layer_types <= {"full_attention", "sliding_attention"}:
         raise NotImplementedError(f"tree decoding: layer types {sorted(layer_types)} of {type(model).__name__} "
