@@ -24,19 +24,32 @@ def target_layer_fields(config) -> dict:
     rope = dict(cfg.rope_parameters)  # transformers 5.x keeps theta and scaling here
     rope = dict(rope.get("full_attention", rope))  # Gemma-3: per layer type; drafter = full
     rope_theta = rope.pop("rope_theta")
+    if "type" in rope:  # the legacy name of rope_type (Ministral-3 configs carry both): one name, as engines write it
+        rope.setdefault("rope_type", rope.pop("type"))
     return dict(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        head_dim=head_dim_of(cfg),
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
+        # the drafter's norms are RMSNorms whatever the target's are (Cohere's LayerNorm names its eps layer_norm_eps)
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None) or 1e-6,
         rope_theta=rope_theta,
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names
     )
+
+
+def head_dim_of(cfg) -> int:
+    """The target's attention head size, for the drafter's one layer; where it varies per layer (Gemma-4's config
+    refuses a global head_dim), hidden / heads."""
+    try:
+        head_dim = getattr(cfg, "head_dim", None)
+    except Exception:  # noqa: BLE001  transformers' AmbiguousGlobalPerLayerAttributeError (a per-layer value)
+        head_dim = None
+    return head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
 def llama_config(c) -> LlamaConfig:

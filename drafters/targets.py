@@ -103,8 +103,16 @@ class PreNormCapture:
             self.handle = None
 
 
+def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder stack (embeddings, layers, final norm) under the LM head: base_model for most models, the text
+    decoder of those whose base_model is not it (Llama-4's causal LM)."""
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model,
+                  getattr(model, "model", None)]
+    return next((c for c in candidates if c is not None and hasattr(c, "layers")), model.base_model)
+
+
 def final_norm_of(model: PreTrainedModel) -> torch.nn.Module:
-    return model.base_model.norm  # Llama and Gemma-3 alike
+    return decoder_of(model).norm  # Llama and Gemma-3 alike
 
 
 @dataclass
@@ -123,7 +131,7 @@ class Target:
     embed_tokens = property(lambda self: self.model.get_input_embeddings())
     lm_head = property(lambda self: self.model.get_output_embeddings())
     final_norm = property(lambda self: final_norm_of(self.model))
-    decoder_layers = property(lambda self: self.model.base_model.layers)  # nn.ModuleList, layer k reads hidden_states[k]
+    decoder_layers = property(lambda self: decoder_of(self.model).layers)  # nn.ModuleList, layer k reads hidden_states[k]
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -144,7 +152,7 @@ class Target:
         layers = self.check_layers(layers)
         with PreNormCapture(self.model, pre_norm_last) as pre_norm:
             # Without logits, skip the LM head (262k columns for Gemma-3).
-            net = self.model if logits else self.model.base_model
+            net = self.model if logits else decoder_of(self.model)
             out = net(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
             )

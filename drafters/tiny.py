@@ -89,3 +89,74 @@ def build_tiny_target(name: str = "tiny-random-llama", seed: int = 0, num_layers
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.eval(), tokenizer
+
+
+# The architectures users bring, each as a tiny random model of transformers' own config class (hidden 64, 8 layers,
+# the tiny tokenizer's 259 ids): name -> (config class, the fields its kind needs beyond the common ones). The
+# architecture matrix (eval/architectures.py, tests/test_architectures.py) trains, decodes and exports each.
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", _MOE),
+    "mistral-window": ("MistralConfig", {"sliding_window": 16}),  # a window on the config alone (Mistral-7B-v0.1)
+    "phi3": ("Phi3Config", {"sliding_window": 16, "pad_token_id": 0}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 16, "final_logit_softcapping": 30.0}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 16, "query_pre_attn_scalar": 16}),
+    "granite": ("GraniteConfig", {"logits_scaling": 4.0, "embedding_multiplier": 2.0}),
+    "cohere": ("CohereConfig", {"logit_scale": 0.25}),
+    "cohere2": ("Cohere2Config", {"sliding_window": 16, "logit_scale": 0.25}),
+    "olmo2": ("Olmo2Config", {}),
+    "olmo3": ("Olmo3Config", {"sliding_window": 16}),
+    "smollm3": ("SmolLM3Config", {}),
+    "seed_oss": ("SeedOssConfig", {}),
+    "glm4": ("Glm4Config", {}),
+    "exaone4": ("Exaone4Config", {"sliding_window": 16}),
+    "ministral3": ("Ministral3Config", {}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                                         "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                         "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                                         "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+                                         "num_key_value_heads": 4}),  # latent attention: no grouped heads
+    "minimax_m2": ("MiniMaxM2Config", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "llama4": ("Llama4TextConfig", {"num_local_experts": 4, "num_experts_per_tok": 1,
+                                    "intermediate_size_mlp": 128, "attention_chunk_size": 16}),
+    "gemma4": ("Gemma4TextConfig", {"sliding_window": 16, "vocab_size_per_layer_input": 259,
+                                    "hidden_size_per_layer_input": 8}),
+    "qwen3_next": ("Qwen3NextConfig", {**_MOE, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
+    "qwen3_5": ("Qwen3_5TextConfig", {"linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                                      "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
+    "granite_hybrid": ("GraniteMoeHybridConfig", {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+                                                   "mamba_n_groups": 1, "num_local_experts": 0, "layers_block_type": ["mamba", "attention"] * 4,
+                                                   "shared_intermediate_size": 128}),
+}
+
+
+def build_tiny_architecture(arch: str, seed: int = 0):
+    """(model, tokenizer): a tiny random model of `arch` (TINY_ARCHITECTURES) and the tiny byte tokenizer, its
+    LM head scaled to logits of a few units so that greedy continuations vary (a random init's are near-uniform)."""
+    import transformers
+
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(TINY_ARCHITECTURES)}")
+    class_name, extra = TINY_ARCHITECTURES[arch]
+    tokenizer = build_tiny_tokenizer()
+    config = getattr(transformers, class_name)(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False, **extra})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:  # no SDPA path (Gemma-2, GPT-OSS): eager, which the tree decoder also drives
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        with torch.no_grad():
+            model.get_output_embeddings().weight.normal_(0, 1.0)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), tokenizer

@@ -54,15 +54,19 @@ class RoundStats:
 # ---------------------------------------------------------------- target forward over a tree
 
 
-def tree_attention_mask(tree: Tree, past: int, dtype: torch.dtype, sliding_window: int | None = None) -> Tensor:
+def tree_attention_mask(tree: Tree, past: int, dtype: torch.dtype, sliding_window: int | None = None,
+                        chunk_size: int | None = None) -> Tensor:
     # (1, 1, N, past + N) additive: 0 = attend, dtype min = masked. Every node sees the whole
-    # cache and its ancestors-or-self; with a window, key j is visible from query i iff pos_i - pos_j < W.
+    # cache and its ancestors-or-self; with a window, key j is visible from query i iff pos_i - pos_j < W; with
+    # chunks (Llama-4's chunked attention), iff pos_i // C == pos_j // C.
     n, device = tree.num_nodes, tree.tokens.device
     visible = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), tree.ancestor_mask], dim=1)
+    q_pos = past + tree.depths  # (N,)
+    k_pos = torch.cat([torch.arange(past, device=device), q_pos])  # (past + N,)
     if sliding_window is not None:
-        q_pos = past + tree.depths  # (N,)
-        k_pos = torch.cat([torch.arange(past, device=device), q_pos])  # (past + N,)
         visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    if chunk_size is not None:
+        visible &= (q_pos[:, None] // chunk_size) == (k_pos[None, :] // chunk_size)
     mask = torch.zeros(n, past + n, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
     return mask[None, None]
 
@@ -73,15 +77,34 @@ def _model_masks(model, tree: Tree, past: int):
         # a window set on the config alone (Mistral-7B-v0.1, Phi-3 / 3.5 / 4-mini): every layer is windowed, as the
         # model's own mask (transformers' sliding-window causal mask for all layers) has it
         return tree_attention_mask(tree, past, model.dtype, config.sliding_window)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if not layer_types <= {"full_attention", "sliding_attention"}:
-        raise NotImplementedError(f"tree decoding: layer types {sorted(layer_types)} of {type(model).__name__} "
-                                  "are not supported (only full and sliding-window attention)")
-    full = tree_attention_mask(tree, past, model.dtype)
-    if "sliding_attention" not in layer_types:
-        return full
-    # hybrid models take one mask per layer type (Gemma-3 and other models with `layer_types`)
-    return {"full_attention": full, "sliding_attention": tree_attention_mask(tree, past, model.dtype, config.sliding_window)}
+    layer_types = check_tree_decodable(model)
+    makers = {"full_attention": lambda: tree_attention_mask(tree, past, model.dtype),
+              "sliding_attention": lambda: tree_attention_mask(tree, past, model.dtype, config.sliding_window),
+              "chunked_attention": lambda: tree_attention_mask(tree, past, model.dtype,
+                                                               chunk_size=config.attention_chunk_size)}
+    if layer_types == {"full_attention"}:
+        return makers["full_attention"]()
+    # models with several layer types take one mask per type (Gemma-3's sliding, Llama-4's chunked layers)
+    return {kind: makers[kind]() for kind in layer_types}
+
+
+TREE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # what _model_masks masks
+
+
+def check_tree_decodable(model) -> set[str]:
+    """The target's attention layer types, or one sentence on why the tree decoder cannot run it. Linear-attention
+    and state-space layers (Qwen3.5, Qwen3-Next, Granite-4) keep a recurrent state that a rejected draft would
+    have to be rolled back from, which this decoder does not do: refused here, before any forward."""
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+                      or ["full_attention"])
+    other = sorted(layer_types - set(TREE_LAYER_TYPES))
+    if other:
+        raise NotImplementedError(
+            f"tree decoding: {type(model).__name__} has {', '.join(other)} layers, whose recurrent state a rejected "
+            "draft would have to be rolled back from; the decoder verifies attention layers only (full, sliding "
+            "and chunked). Training and export work for this target; measure tau in an engine that serves it")
+    return layer_types
 
 
 def tree_forward(model, cache: DynamicCache, tree: Tree, *, hidden_states: bool = False):
@@ -256,6 +279,7 @@ def synced_clock(device) -> float:
 def _check_supported(model, max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_tree_decodable(model)
     attn = model.config._attn_implementation
     if attn not in ("sdpa", "eager"):
         raise NotImplementedError(f"tree decoding needs a 4D attention mask: load the target with "

@@ -49,7 +49,7 @@ from tqdm import tqdm
 from drafters.acceptance import geometric_chain_tau
 from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
-from drafters.decode.decoder import RoundStats, speculative_generate
+from drafters.decode.decoder import RoundStats, check_tree_decodable, speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.loading import load_proposer, proposer_sha256
 from drafters.decode.sampling import SamplingConfig
@@ -148,6 +148,7 @@ def measure(args: Options) -> dict:
         torch.set_num_threads(args.threads)
     try:
         target = load_target(args.target, dtype=args.dtype)
+        check_tree_decodable(target.model)  # a hybrid target is refused in one sentence, before any baseline
         device_used = str(device(args.device))
         target.model.to(device_used)
         sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
@@ -172,7 +173,7 @@ def measure(args: Options) -> dict:
             proposer = AdaptiveChain(proposer)
         if getattr(proposer, "greedy_only", False) and args.temperature > 0:
             raise ValueError(f"--proposer {args.proposer}: verifies greedily only; use --temperature 0")
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, NotImplementedError) as error:
         raise EvaluationError(f"{error}") from None
     run = Run()
     depth = AdaptiveChain.max_depth if args.adaptive else tree.depth  # the deepest draft of any round

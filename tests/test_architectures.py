@@ -1,0 +1,69 @@
+"""The architectures users bring (drafters.tiny.TINY_ARCHITECTURES: tiny random models of transformers' own config
+classes, saved to a directory as a user's model is): the soft labels equal the model's own distribution for every
+one of them, and one architecture of each kind trains, decodes greedily equal to `generate` and exports, through
+the steps of eval/architectures.py (which prints the whole matrix: `python eval/architectures.py`)."""
+
+import pytest
+import torch
+
+from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.tiny import TINY_ARCHITECTURES
+
+matrix = load_script("eval/architectures.py")
+# one of each kind the decoder or the trainer treats apart (about a second each; the whole matrix is
+# eval/architectures.py's): multi-head latent attention with
+# experts, chunked attention (and a causal LM whose base_model is not its decoder), per-layer head sizes, a LayerNorm
+# target with a logit scale, a legacy rope `type` key, hybrid linear attention (decoding refused in one sentence)
+KINDS = ["deepseek_v3", "llama4", "gemma4", "cohere", "ministral3", "qwen3_next"]
+HYBRID = {"qwen3_next", "qwen3_5", "granite_hybrid"}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_soft_labels_are_the_models_own_distribution(arch, tmp_path):
+    from drafters.targets import load_target
+
+    target = load_target(str(matrix.save_model(arch, tmp_path / arch)))
+    assert matrix.label_gap(target) < 1e-4
+
+
+@pytest.mark.parametrize("arch", KINDS)
+def test_an_architecture_trains_decodes_and_exports(arch, tmp_path):
+    result = matrix.run_steps(arch, "eagle3", tmp_path)
+    if arch in HYBRID:
+        assert result.pop("decode").startswith("refused (NotImplementedError): tree decoding: ")
+    assert result == {step: "ok" for step in matrix.STEPS if step in result} and len(result) >= 3
+
+
+@pytest.mark.parametrize("arch", sorted(HYBRID))
+def test_a_hybrid_target_is_refused_in_one_sentence_before_anything_runs(arch, tmp_path):
+    # eval/tau.py names the layers and what does work, before loading a proposer or running the baseline
+    tau = load_script("eval/tau.py")
+    target = matrix.save_model(arch, tmp_path / arch)
+    with pytest.raises(SystemExit) as stop:
+        tau.main(["--target", str(target), "--proposer", "prompt-lookup", "--bench", "mt_bench", "--limit", "1",
+                  "--max-new-tokens", "4"])
+    said = str(stop.value.code)  # the message, no traceback
+    assert said.startswith("tau: tree decoding: ") and "layers, whose recurrent state" in said
+    assert "Training and export work for this target" in said
+
+
+@torch.no_grad()
+def test_chunked_attention_tree_forward_equals_sequential():
+    # Llama-4's chunked layers: a key is visible only inside the query's chunk (16 positions here); the prompt
+    # crosses a chunk boundary so the mask matters
+    from transformers import DynamicCache
+
+    from drafters.decode.decoder import tree_forward
+    from drafters.decode.tree import EAGLE1_PATHS, TreeShape
+    from drafters.tiny import build_tiny_architecture
+
+    model, _ = build_tiny_architecture("llama4")
+    prompt = torch.randint(3, 259, (30,), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    model(prompt[None], past_key_values=cache, use_cache=True)
+    shape = TreeShape.from_paths(EAGLE1_PATHS)
+    tree = shape.fill(42, torch.randint(3, 259, (shape.num_nodes, 4), generator=torch.Generator().manual_seed(1)))
+    logits = tree_forward(model, cache, tree).logits[0]
+    for path in tree.paths:
+        sequential = model(torch.cat([prompt, tree.tokens[path]])[None]).logits[0, -len(path):]
+        torch.testing.assert_close(logits[path], sequential, atol=1e-4, rtol=1e-4)
