@@ -17,26 +17,23 @@ same steps (drafters.tiny.TINY_ARCHITECTURES is the one list).
 
 import argparse
 import json
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import torch
 
+from drafters.decode.decoder import speculative_generate
+from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.sampling import SamplingConfig
+from drafters.decode.tree import parse_tree_spec
+from drafters.eagle1 import FrozenHead
+from drafters.export.dispatch import EXPORT_FORMATS, export_checkpoint
+from drafters.targets import TargetFeatures, load_target
+from drafters.tiny import TINY_ARCHITECTURES, build_tiny_architecture
+from drafters.training.families import load_recipe, train
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from drafters.decode.decoder import speculative_generate  # noqa: E402
-from drafters.decode.proposers.loading import load_proposer  # noqa: E402
-from drafters.decode.sampling import SamplingConfig  # noqa: E402
-from drafters.decode.tree import parse_tree_spec  # noqa: E402
-from drafters.eagle1 import FrozenHead  # noqa: E402
-from drafters.export.dispatch import EXPORT_FORMATS, export_checkpoint  # noqa: E402
-from drafters.targets import TargetFeatures, load_target  # noqa: E402
-from drafters.tiny import TINY_ARCHITECTURES, build_tiny_architecture  # noqa: E402
-from drafters.training.families import load_recipe, train  # noqa: E402
-
 STEPS = ("labels", "train", "decode", "export")
 TREES = ("chain:3", "static:[[0],[1],[0,0]]")
 NEW = 12

@@ -22,7 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
-from drafters.training.engines import SHIPPED, on_cpus
+from drafters.training.launch import SHIPPED, on_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = SHIPPED
@@ -123,7 +123,7 @@ def test_every_shipped_configuration_is_run_here():
 ])
 def test_a_launch_this_machine_cannot_run_gets_one_sentence(env, recipe, message, monkeypatch):
     # what `accelerate launch` passes every process from the config file, checked before the Accelerator starts
-    from drafters.training.engines import check_launch_config
+    from drafters.training.launch import check_launch_config
     from drafters.training.families import load_recipe
     from drafters.training.recipe import RecipeError
 
@@ -143,7 +143,7 @@ def test_the_frozen_target_loads_as_the_recipe_says_under_a_zero3_launch(tmp_pat
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
     from drafters.targets import load_target
-    from drafters.training.engines import outside_zero3
+    from drafters.training.launch import outside_zero3
 
     load_target("tiny-random-llama").model.save_pretrained(tmp_path / "target")
     load_target("tiny-random-llama").tokenizer.save_pretrained(tmp_path / "target")

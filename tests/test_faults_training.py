@@ -17,7 +17,7 @@ import torch
 from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402
-from drafters.training.checkpoints import DiskFull  # noqa: E402  (fit calls loop.train_loop: patched there)
+from drafters.training.resume import DiskFull  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
 from drafters.training.recipe import RecipeError
 

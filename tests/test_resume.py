@@ -119,7 +119,7 @@ def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run
     # a checkpoint written before tv_weight and features.dir existed resumes under the newer code as long as they
     # keep the defaults (which reproduce the old behaviour); fields the run's schema lacks (an older version's one
     # schema of five families saved every family's sections) are not read and not compared; everything else is
-    from drafters.training.checkpoints import recipe_diff
+    from drafters.training.resume import recipe_diff
     from drafters.training.dflash import DFlashRecipe
     from drafters.training.eagle3 import Eagle3Recipe
     from drafters.training.recipe import to_dict

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from drafters.training.engines import SHIPPED, on_cpus
+from drafters.training.launch import SHIPPED, on_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/eagle3_smollm2.yaml"
@@ -49,7 +49,7 @@ SETTINGS = {  # name -> (processes, threads per process, overrides after the rec
     "reference-offline": (1, 1, [*REFERENCE, "features.dir={features}"]),
     "recipe-1proc-2threads": (1, 2, PRE_ABLATION),
     "recipe-2proc": (2, 1, [*PRE_ABLATION, "grad_accum=1"]),  # the same global batch: 2 processes x 4 x 1
-    # recipes/accelerate/<file> with its device fields swapped for 2 CPU processes (drafters.training.engines)
+    # recipes/accelerate/<file> with its device fields swapped for 2 CPU processes (drafters.training.launch)
     "ddp-2proc": (2, 1, ENGINE_RUN, "ddp_8gpu.yaml"),
     "zero2-2proc": (2, 1, ENGINE_RUN, "zero2_8gpu.yaml"),
     "zero3-2proc": (2, 1, ENGINE_RUN, "zero3_8gpu.yaml"),

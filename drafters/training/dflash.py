@@ -78,7 +78,7 @@ def choose_mask_token(rows, vocab_size: int, requested: int | None) -> int:
 
 
 def build_dflash(recipe, target, train_rows, vocab: DraftVocab, say) -> "DFlashObjective":
-    """The family's build (drafters.training.family.TrainingFamily): the mask token from the training rows, the
+    """The family's build (drafters.training.families.TrainingFamily): the mask token from the training rows, the
     drafter on the target's frozen head rows of the draft vocabulary."""
     try:
         mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)

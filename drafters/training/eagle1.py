@@ -66,7 +66,7 @@ def eagle1_layer_spec(recipe, target) -> dict:
 
 
 def build_eagle1(recipe, target, train_rows, vocab, say) -> "Eagle1Objective":
-    """The family's build (drafters.training.family.TrainingFamily): no draft vocabulary, the target's head."""
+    """The family's build (drafters.training.families.TrainingFamily): no draft vocabulary, the target's head."""
     drafter = build_eagle1_drafter(recipe, target)
     say(f"eagle: EAGLE-1 drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"{drafter.config.feature} features {'from ' + recipe.features.dir if recipe.features.dir else 'online'}, "

@@ -119,7 +119,7 @@ def choose_draft_vocab(recipe: DraftVocabRecipe, target: Target, train_rows, say
 
 
 def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftVocab, say) -> "Eagle3Objective":
-    """The family's build (drafters.training.family.TrainingFamily): the drafter, wrapped in its TTT objective."""
+    """The family's build (drafters.training.families.TrainingFamily): the drafter, wrapped in its TTT objective."""
     warn_about_layers(recipe, say)
     drafter = build_eagle3_drafter(recipe, target, vocab)
     say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "

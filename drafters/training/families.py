@@ -3,17 +3,21 @@
     recipe = load_recipe(argv)      # YAML + key=value -> the schema of the recipe's `drafter`, checked
     summary = train(recipe)         # target, split, drafter, loop, checkpoint-final
 
-TRAINING_FAMILIES holds one drafters.training.family.TrainingFamily per family, keyed as drafters.registry.FAMILIES
-(tests/test_families.py keeps the tables in step). load_recipe and train() read only the entry: adding a family is
-its modules (model, training, proposer, export) plus one entry in each table.
+TRAINING_FAMILIES holds one TrainingFamily per family, keyed as drafters.registry.FAMILIES, made of the functions in
+the family's own training module (drafters.training.eagle3 / eagle1 / dflash / dspark / peagle / heads). load_recipe
+and train() read only the entry, so no code outside the entries asks which family it trains; adding a family is its
+modules (model, training, proposer, export) plus one entry in each layer's table: drafters.registry.FAMILIES (how a
+stored drafter is rebuilt), drafters.export.dispatch (export formats), drafters.decode.proposers.loading (drafting)
+and this one. tests/test_families.py checks that every table names the same families.
 """
 
 import dataclasses
 import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from accelerate.utils import set_seed
 
-from drafters.training.checkpoints import field_default
 from drafters.training.batches import length_sorted_batches, pad_id, train_loader
 from drafters.training.data import collate
 from drafters.training.dflash import DFlashRecipe, build_dflash, evaluate_dflash, format_dflash_eval
@@ -29,7 +33,6 @@ from drafters.training.eagle3 import (
     format_eval,
     target_inputs_fn,
 )
-from drafters.training.family import TrainingFamily
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.training.heads import (
     BlockwiseRecipe,
@@ -42,7 +45,37 @@ from drafters.training.heads import (
 from drafters.training.loop import Summary, fit, start_run
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, read_recipe
+from drafters.training.resume import field_default
 from drafters.training.schema import load_train_recipe
+
+
+@dataclass(frozen=True)
+class TrainingFamily:
+    name: str  # the recipe's `drafter` value and drafters.registry's key
+    # its recipe schema: a drafters.training.schema.TrainRecipe subclass in the family's training module, holding the
+    # family's own fields (and no other family's) and naming their problems in problems()
+    recipe: type
+    # (recipe, target, train_rows, vocab, say) -> the objective (an nn.Module whose .drafter is trained), called
+    # right after set_seed(recipe.seed); vocab is the draft vocabulary when draft_vocab is set, else None
+    build: Callable
+    run: type  # its drafters.training.loop.RunBase subclass: micro_step, held_out, describe
+    loss_parts: str  # what metrics.jsonl's step_loss / step_acc list: "per TTT step", "per head", ...
+    draft_vocab: bool = False  # counts a reduced draft vocabulary on the training rows (drafters.draft_vocab)
+    # offline features (features.dir, drafters.training.features): the stored layout it reads (a family may read
+    # another's: DFlash reads EAGLE-3's) and (recipe, target) -> what the stored tensors hold; None = online only
+    store_layout: str | None = None
+    layer_spec: Callable | None = None
+    # (recipe, target, drafter) -> batch -> the objective's target-side inputs (online or from the store)
+    inputs: Callable | None = None
+    # (drafter, inputs, embed, batches, recipe, accelerator) -> the held-out metrics, and their one-line summary
+    evaluate: Callable | None = None
+    describe: Callable | None = None
+    check_rows: Callable = lambda recipe, rows: None  # (recipe, train rows) -> raises RecipeError if unusable
+
+    @property
+    def offline(self) -> bool:
+        return self.layer_spec is not None
+
 
 # the feature-level families read the target's fused aux layers (EAGLE-3's inputs and store) unless they say not
 _FUSED = dict(run=EagleRun, store_layout="eagle3", layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,

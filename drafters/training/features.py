@@ -71,7 +71,7 @@ class FeatureStoreError(RecipeError):
 
 def features_header(recipe, target, family) -> dict:
     """What the stored tensors depend on, from a feature-level family's recipe, the loaded target and the family being
-    trained (drafters.training.family.TrainingFamily: its store_layout and layer_spec)."""
+    trained (drafters.training.families.TrainingFamily: its store_layout and layer_spec)."""
     if not family.offline:
         raise FeatureStoreError(f"offline features (features.dir) are not implemented for drafter={family.name}; "
                                 f"unset features.dir to train {family.name} online")

@@ -34,7 +34,7 @@ from drafters.decode.proposers.heads import TREE_FILE
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.targets import Target
-from drafters.training.checkpoints import Position
+from drafters.training.resume import Position
 from drafters.training.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.training.loop import RunBase
 from drafters.training.metrics import StepMetrics
@@ -146,7 +146,7 @@ def blockwise_heads(recipe: BlockwiseRecipe, target: Target) -> BlockwiseHeads:
 
 
 def build_medusa(recipe: MedusaRecipe, target: Target, train_rows, vocab, say) -> "HeadsObjective":
-    """The family's build (drafters.training.family.TrainingFamily): the heads, wrapped in their objective."""
+    """The family's build (drafters.training.families.TrainingFamily): the heads, wrapped in their objective."""
     return _heads_objective(medusa_heads(recipe, target), recipe, target, say)
 
 

@@ -8,7 +8,7 @@
 
 A family provides a RunBase subclass (the `Run` protocol: micro_step, held_out, describe, step_loss_is).
 The recipe sections are drafters.training.schema's, batches drafters.training.batches', metrics
-drafters.training.metrics' and checkpoints / resume drafters.training.checkpoints'. Knows nothing about
+drafters.training.metrics' and checkpoints / resume drafters.training.resume'. Knows nothing about
 drafters or losses.
 """
 
@@ -30,7 +30,7 @@ from drafters.checkpoint import prune_checkpoints, step_checkpoints, target_info
 from drafters.files import data_sha256
 from drafters.targets import Target, resolve_precision
 from drafters.training.batches import LengthBuckets, load_examples, lr_factor, plan_steps
-from drafters.training.checkpoints import (
+from drafters.training.resume import (
     Position,
     check_resume,
     check_trusted,
@@ -39,7 +39,7 @@ from drafters.training.checkpoints import (
     resume_checkpoint,
     save_run_checkpoint,
 )
-from drafters.training.engines import check_launch_config, outside_zero3, shards_parameters
+from drafters.training.launch import check_launch_config, outside_zero3, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
@@ -254,7 +254,7 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
         family, name: str) -> Summary:
     """The part of every training script after its drafter and objective exist: AdamW on the drafter's
     parameters, accelerate's prepare, the lr schedule, resume, train_loop, a last evaluation and
-    checkpoint-final. `family` is the drafters.training.family.TrainingFamily being trained; its `run`, the
+    checkpoint-final. `family` is the drafters.training.families.TrainingFamily being trained; its `run`, the
     family's RunBase subclass, drives the loop."""
     say = accelerator.print
     optimizer = torch.optim.AdamW(objective.drafter.parameters(), lr=recipe.optim.lr,
