@@ -15,12 +15,28 @@ from drafters.training.families import TRAINING_FAMILIES
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("table, name", [(TRAINING_FAMILIES, "drafters.training.families.TRAINING_FAMILIES"),
-                                         (FAMILY_LOADERS, "drafters.decode.proposers.loading.FAMILY_LOADERS"),
-                                         (EXPORT_FORMATS, "drafters.export.dispatch.EXPORT_FORMATS"),
-                                         (NAMES, "drafters.registry.NAMES")])
-def test_every_layer_knows_every_family(table, name):
+TABLES = {"drafters.training.families.TRAINING_FAMILIES": TRAINING_FAMILIES,
+          "drafters.decode.proposers.loading.FAMILY_LOADERS": FAMILY_LOADERS,
+          "drafters.export.dispatch.EXPORT_FORMATS": EXPORT_FORMATS,
+          "drafters.registry.NAMES": NAMES, "drafters.registry.FAMILIES": FAMILIES}
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_every_layer_knows_every_family(name):
+    table = TABLES[name]
     assert set(table) == set(FAMILIES), f"{name}: missing {set(FAMILIES) - set(table)}, extra {set(table) - set(FAMILIES)}"
+
+
+def test_the_readmes_adding_a_family_list_is_these_tables():
+    # README "Adding a family": the list a contributor follows names exactly the tables checked above
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- family tables -->")[1].split("<!-- end family tables -->")[0]
+    listed = set()
+    for line in block.strip().splitlines():
+        path, names = line.removeprefix("- `").split("` ", 1)
+        module = path.removesuffix(".py").replace("/", ".")
+        listed |= {f"{module}.{n}" for n in names.split(":")[0].replace("`", "").replace(" and ", " ").split()}
+    assert listed == set(TABLES)
 
 
 @pytest.mark.parametrize("family", sorted(TRAINING_FAMILIES))
