@@ -355,9 +355,11 @@ def test_smollm2_serves_our_drafter(family, smollm2, drafters_for_smollm2, cache
     # F32: the weights we trained against, exact arithmetic: lossless, and the referee agrees on shared text
     results = serve_and_referee(smollm2, target_gguf(smollm2, "f32", cache_dir=cache), tmp_path / "gguf", ckpt)
     assert sum(r.generated for r in results) >= len(results) * NEW // 2  # mostly the same greedy text
-    # the shipped Q4_1 file: quantised activations part the texts sooner, so only losslessness is asserted
-    serve_and_referee(smollm2, target_gguf(smollm2, "shipped"), tmp_path / "gguf", ckpt, tie=TIE["shipped"],
-                      expect_agreement=False)
+    # the shipped Q4_1 file: quantised activations part the texts sooner, so only losslessness is asserted; one
+    # family covers the path (the quantised target is the same for both, and each costs about 20 s of the suite)
+    if family == "dflash":
+        serve_and_referee(smollm2, target_gguf(smollm2, "shipped"), tmp_path / "gguf", ckpt, tie=TIE["shipped"],
+                          expect_agreement=False)
 
 
 # ---------------------------------------------------------------- the speed bench and its script
