@@ -60,3 +60,16 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_gemma3():
     return build_tiny_target("tiny-random-gemma3")
+
+
+@pytest.fixture(scope="session")
+def trainer():
+    """The training entry point (train/train.py, every family), imported once."""
+    return load_script("train/train.py")
+
+
+def train_tiny(tmp_path_factory, recipe: str, *overrides: str):
+    """One run of `recipe` through train/train.py into a fresh directory named after it -> (Summary, output_dir): the
+    module-scoped golden run of each family's test module."""
+    out = tmp_path_factory.mktemp(Path(recipe).stem)
+    return load_script("train/train.py").main([recipe, f"output_dir={out}", *overrides]), out

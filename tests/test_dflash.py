@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script  # tests/ is on sys.path under pytest
+from conftest import train_tiny  # tests/ is on sys.path under pytest
 
 from drafters import dflash
 from drafters.checkpoint import load_checkpoint
@@ -249,15 +249,8 @@ GOLDEN_LOSSES = [5.567648887634277, 5.563053131103516, 5.556520938873291, 5.5545
 
 
 @pytest.fixture(scope="module")
-def eagle():
-    return load_script("train/eagle.py")
-
-
-@pytest.fixture(scope="module")
-def run(eagle, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("dflash_tiny")
-    summary = eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={output_dir}"])
-    return summary, output_dir
+def run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, RECIPE, f"data.path={DATA}")
 
 
 def test_reproduces_golden_losses(run):
@@ -314,13 +307,13 @@ def test_metrics_and_held_out_evaluation(run):
     assert len(final["step_acc"]) == BLOCK - 1 and 1 <= final["tau_pred"] <= BLOCK
 
 
-def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(eagle, run, tmp_path):
+def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(trainer, run, tmp_path):
     # the run's checkpoint-4 holds the anchor generator's state (a buffer of the objective): resuming it
     # must redo steps 5 and 6 exactly (tests/test_resume.py does the same for EAGLE-3, killed mid-run)
     summary, output_dir = run
     copy = shutil.copytree(output_dir, tmp_path / "resumed")
     shutil.rmtree(copy / "checkpoint-final")
-    resumed = eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={copy}", "resume_from=latest"])
+    resumed = trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={copy}", "resume_from=latest"])
     assert resumed.losses == summary.losses
     want, got = (load_checkpoint(d / "checkpoint-final").state_dict for d in (output_dir, copy))
     assert all(torch.equal(want[k], got[k]) for k in want)
@@ -333,9 +326,9 @@ def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(eagle
     ("dflash.labels=hard", "dflash.labels"),
     ("dflash.mask_token_id=300", "dflash.mask_token_id=300 is not a token id of the target"),
 ])
-def test_bad_dflash_values_fail_clearly(eagle, tmp_path, override, message):
+def test_bad_dflash_values_fail_clearly(trainer, tmp_path, override, message):
     with pytest.raises(RecipeError, match=message):
-        eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", override])
+        trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", override])
 
 
 def read_jsonl(path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_script  # tests/ is on sys.path under pytest
+from conftest import train_tiny  # tests/ is on sys.path under pytest
 from test_sampling import first_two_tokens_pvalue
 from transformers import GenerationConfig
 
@@ -296,26 +296,20 @@ def test_trees_deeper_than_the_block_and_engine_formats_without_dspark_are_refus
 
 
 @pytest.fixture(scope="module")
-def eagle():
-    return load_script("train/eagle.py")
-
-
-@pytest.fixture(scope="module")
-def run(eagle, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dspark_tiny")
-    return out, eagle.main([RECIPE, f"output_dir={out}"])
+def run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, RECIPE)
 
 
 def test_reproduces_golden_losses(run):
-    _, summary = run
+    summary, _ = run
     golden = [6.658979, 6.177681, 5.901916, 5.918477, 5.90082, 5.896304]  # CE + the confidence BCE
     assert [round(x, 6) for x in summary.losses] == pytest.approx(golden, abs=2e-5)
 
 
-def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(eagle, run, tmp_path):
-    out, summary = run
+def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(trainer, run, tmp_path):
+    summary, out = run
     shutil.copytree(out / "checkpoint-4", tmp_path / "checkpoint-4")
-    resumed = eagle.main([RECIPE, f"output_dir={tmp_path}", "resume_from=latest"])
+    resumed = trainer.main([RECIPE, f"output_dir={tmp_path}", "resume_from=latest"])
     final, again = load_checkpoint(out / "checkpoint-final"), load_checkpoint(tmp_path / "checkpoint-final")
     assert resumed.losses == summary.losses[4:]
     for key, value in final.state_dict.items():
@@ -328,7 +322,7 @@ def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(eagle
     ("dspark.confidence_weight=-1", "dspark.confidence_weight=-1.0 must be >= 0"),
     ("dflash.block_size=1", "dflash.block_size=1 must be >= 2"),
 ])
-def test_bad_dspark_values_fail_clearly(eagle, tmp_path, override, message):
+def test_bad_dspark_values_fail_clearly(trainer, tmp_path, override, message):
     with pytest.raises(RecipeError, match=message):
-        eagle.main([RECIPE, override, f"output_dir={tmp_path}"])
+        trainer.main([RECIPE, override, f"output_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())

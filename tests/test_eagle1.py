@@ -29,7 +29,7 @@ from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import Target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
-from conftest import load_script  # tests/ is on sys.path under pytest
+from conftest import train_tiny  # tests/ is on sys.path under pytest
 from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.training.eagle1 import chain_loss
@@ -164,14 +164,8 @@ def test_self_fed_chain_equals_drafting_with_a_kv_cache(hand_made):
 
 
 @pytest.fixture(scope="module")
-def eagle():
-    return load_script("train/eagle.py")
-
-
-@pytest.fixture(scope="module")
-def run(eagle, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("eagle1_tiny")
-    return eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={output_dir}"]), output_dir
+def run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, RECIPE, f"data.path={DATA}")
 
 
 def test_reproduces_golden_losses(run):
@@ -210,7 +204,7 @@ def test_checkpoint_and_held_out_evaluation(run):
     assert all(torch.equal(summary.target.model.state_dict()[k], v) for k, v in fresh.state_dict().items())
 
 
-def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkeypatch):
+def test_resumed_run_reproduces_the_uninterrupted_losses(trainer, tmp_path, monkeypatch):
     # interrupted after step 4 (Ctrl-C saves a resumable checkpoint), then resumed: the noise generator's
     # state travels with the run state, so steps 5-6 draw the same noise as in the uninterrupted run
     inner = loop.train_loop
@@ -228,9 +222,9 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkey
 
     monkeypatch.setattr(loop, "train_loop", interrupted)
     with pytest.raises(Stopped, match="resume_from"):
-        eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}"])
+        trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}"])
     monkeypatch.setattr(loop, "train_loop", inner)
-    eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "resume_from=latest"])
+    trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "resume_from=latest"])
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-6)
 
@@ -241,9 +235,9 @@ def test_resumed_run_reproduces_the_uninterrupted_losses(eagle, tmp_path, monkey
     ("layers=[1,2,3]", "EAGLE-1 reads the last hidden state only"),
     ("optim.clip_value=0", "optim.clip_value"),
 ])
-def test_bad_eagle1_recipe_values_fail_clearly(eagle, tmp_path, override, message):
+def test_bad_eagle1_recipe_values_fail_clearly(trainer, tmp_path, override, message):
     with pytest.raises(RecipeError, match=message):
-        eagle.main([RECIPE, f"output_dir={tmp_path}", *override.split()])
+        trainer.main([RECIPE, f"output_dir={tmp_path}", *override.split()])
 
 
 # ---------------------------------------------------------------- decoding with an EAGLE-1 proposer

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script  # tests/ is on sys.path under pytest
+from conftest import train_tiny  # tests/ is on sys.path under pytest
 from safetensors.torch import load_file, save_file
 from test_sampling import first_two_tokens_pvalue
 from transformers import GenerationConfig
@@ -266,34 +266,28 @@ def test_an_export_with_another_embedding_is_refused_where_it_would_draft(checkp
 
 
 @pytest.fixture(scope="module")
-def eagle():
-    return load_script("train/eagle.py")
-
-
-@pytest.fixture(scope="module")
-def run(eagle, tmp_path_factory):
-    out = tmp_path_factory.mktemp("peagle_tiny")
-    return out, eagle.main([RECIPE, f"output_dir={out}"])
+def run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, RECIPE)
 
 
 def test_reproduces_golden_losses(run):
-    _, summary = run
+    summary, _ = run
     golden = [5.571626, 5.566345, 5.556323, 5.55373, 5.552438, 5.549995]
     assert [round(x, 6) for x in summary.losses] == pytest.approx(golden, abs=2e-5)
 
 
 def test_held_out_tau_is_reported_for_every_chain_length(run):
-    out, _ = run
+    _, out = run
     result = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     by_length = result["tau_pred_by_length"]
     assert len(by_length) == K and by_length == sorted(by_length) and by_length[-1] == result["tau_pred"]
     assert len(result["step_acc"]) == K and result["chains"] > 0
 
 
-def test_resumed_run_draws_the_same_chains_and_ends_with_the_same_weights(eagle, run, tmp_path):
-    out, summary = run
+def test_resumed_run_draws_the_same_chains_and_ends_with_the_same_weights(trainer, run, tmp_path):
+    summary, out = run
     shutil.copytree(out / "checkpoint-4", tmp_path / "checkpoint-4")
-    resumed = eagle.main([RECIPE, f"output_dir={tmp_path}", "resume_from=latest"])
+    resumed = trainer.main([RECIPE, f"output_dir={tmp_path}", "resume_from=latest"])
     final, again = load_checkpoint(out / "checkpoint-final"), load_checkpoint(tmp_path / "checkpoint-final")
     assert resumed.losses == summary.losses[4:]
     for key, value in final.state_dict.items():
@@ -306,7 +300,7 @@ def test_resumed_run_draws_the_same_chains_and_ends_with_the_same_weights(eagle,
     ("peagle.eval_chains=0", "peagle.eval_chains=0 must be >= 1"),
     ("ttt_steps=0", "ttt_steps=0 is read by drafter: eagle3 only, not peagle"),  # P-EAGLE has no unroll
 ])
-def test_bad_peagle_values_fail_clearly(eagle, tmp_path, override, message):
+def test_bad_peagle_values_fail_clearly(trainer, tmp_path, override, message):
     with pytest.raises(RecipeError, match=message):
-        eagle.main([RECIPE, override, f"output_dir={tmp_path}"])
+        trainer.main([RECIPE, override, f"output_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())

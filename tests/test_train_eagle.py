@@ -13,7 +13,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.layers import DraftKVCache
 from drafters.training.recipe import RecipeError
 from drafters.tiny import build_tiny_target
-from conftest import load_script  # tests/ is on sys.path under pytest
+from conftest import train_tiny  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "eagle3_tiny.yaml")
@@ -30,15 +30,8 @@ GOLDEN_LOSSES = [2.451293468475342, 3.0046067237854004, 3.2992544174194336,
 
 
 @pytest.fixture(scope="module")
-def eagle():
-    return load_script("train/eagle.py")
-
-
-@pytest.fixture(scope="module")
-def run(eagle, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("eagle3_tiny")
-    summary = eagle.main([RECIPE, f"data.path={DATA}", f"output_dir={output_dir}"])
-    return summary, output_dir
+def run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, RECIPE, f"data.path={DATA}")
 
 
 def test_reproduces_golden_losses(run):
@@ -114,12 +107,12 @@ def test_held_out_evaluation(run):
     assert final["tau_pred"] == pytest.approx(1 + sum(math.prod(accuracy[:k]) for k in range(1, TTT_STEPS + 1)))
 
 
-def test_held_out_depth_is_set_apart_from_the_training_depth(eagle, run, tmp_path):
+def test_held_out_depth_is_set_apart_from_the_training_depth(trainer, run, tmp_path):
     """eval_ttt_steps=5 scores a drafter trained at ttt_steps=2 on 5 chain steps; training does not read it,
     so its first 2 steps' accuracies equal the default (2-step) evaluation's of the same run."""
     common = [RECIPE, f"data.path={DATA}", "max_steps=2", "ttt_steps=2"]
-    deep = eagle.main([*common, "eval_ttt_steps=5", f"output_dir={tmp_path / 'deep'}"]).eval
-    shallow = eagle.main([*common, f"output_dir={tmp_path / 'shallow'}"]).eval
+    deep = trainer.main([*common, "eval_ttt_steps=5", f"output_dir={tmp_path / 'deep'}"]).eval
+    shallow = trainer.main([*common, f"output_dir={tmp_path / 'shallow'}"]).eval
     assert len(deep["step_acc"]) == 5 and len(shallow["step_acc"]) == 2
     assert deep["step_acc"][:2] == shallow["step_acc"]
     assert deep["tau_pred"] == pytest.approx(1 + sum(math.prod(deep["step_acc"][:k]) for k in range(1, 6)))
@@ -136,26 +129,26 @@ def test_held_out_depth_is_set_apart_from_the_training_depth(eagle, run, tmp_pat
     ("eval_ttt_steps=0", RecipeError, "eval_ttt_steps=0 must be >= 1 or null"),
     ("init_layer=8", RecipeError, r"init_layer=8 is not a decoder layer of .* \(8 layers: 0 \.\. 7, or -1"),
 ])
-def test_bad_recipe_values_fail_clearly(eagle, tmp_path, override, error, message):
+def test_bad_recipe_values_fail_clearly(trainer, tmp_path, override, error, message):
     overrides = [f"output_dir={tmp_path}", override]
     if override == "epochs=null":
         overrides.append("max_steps=null")
     with pytest.raises(error, match=message):
-        eagle.main([RECIPE, *overrides])
+        trainer.main([RECIPE, *overrides])
 
 
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_norm_options_train_save_reload_and_export_where_an_engine_reads_them(eagle, tmp_path):
+def test_norm_options_train_save_reload_and_export_where_an_engine_reads_them(trainer, tmp_path):
     from drafters.export.common import ExportError
     from drafters.export.dispatch import export_checkpoint
     from drafters.checkpoint import load_checkpoint
     from drafters.registry import load_drafter
 
     out = tmp_path / "run"
-    eagle.main([RECIPE, f"data.path={DATA}", "max_steps=1", "norm_before_fc=true", "norm_before_residual=true",
+    trainer.main([RECIPE, f"data.path={DATA}", "max_steps=1", "norm_before_fc=true", "norm_before_residual=true",
                 f"output_dir={out}"])
     drafter = load_drafter(load_checkpoint(out / "checkpoint-final"))
     assert drafter.config.norm_before_fc and drafter.config.norm_before_residual and not drafter.config.fc_norm
@@ -166,10 +159,10 @@ def test_norm_options_train_save_reload_and_export_where_an_engine_reads_them(ea
                          / "config.json").read_text())
     assert config["norm_before_fc"] and config["norm_before_residual"] and not config["fc_norm"]
     with pytest.raises(RecipeError, match="norm_before_fc and fc_norm are both set"):
-        eagle.main([RECIPE, "norm_before_fc=true", "fc_norm=true", f"output_dir={tmp_path / 'x'}"])
+        trainer.main([RECIPE, "norm_before_fc=true", "fc_norm=true", f"output_dir={tmp_path / 'x'}"])
 
 
-def test_train_rows_keeps_a_subset_of_the_split_and_the_same_held_out_rows(eagle, tmp_path):
+def test_train_rows_keeps_a_subset_of_the_split_and_the_same_held_out_rows(trainer, tmp_path):
     from dataclasses import replace
 
     from drafters.targets import load_target
@@ -185,4 +178,4 @@ def test_train_rows_keeps_a_subset_of_the_split_and_the_same_held_out_rows(eagle
     assert rows(part_held_out) == rows(held_out) and len(part_train) == 5 < len(train)
     assert set(rows(part_train)) <= set(rows(train))
     with pytest.raises(RecipeError, match="data.train_rows=0 must be >= 1"):
-        eagle.main([RECIPE, f"data.path={DATA}", "data.train_rows=0", f"output_dir={tmp_path / 'x'}"])
+        trainer.main([RECIPE, f"data.path={DATA}", "data.train_rows=0", f"output_dir={tmp_path / 'x'}"])
