@@ -27,6 +27,24 @@ class LabelLogits:  # not drafters.heads.HeadRows (which rows train which Medusa
         return self.head(self.hidden[mask])
 
 
+LABEL_CHUNK_ROWS = 1024  # target logits rows held at once: (1024, V) is 0.5 GB at V = 128k in float32
+
+
+def label_chunks(target_logits, mask: Tensor, rows: int | None = None):
+    """target_logits[mask] (N, V) as consecutive (<= rows, V) pieces, so the label side never holds the target's
+    logits at all N rows at once: a LabelLogits computes each piece from its hidden rows (the head applied per
+    piece), a logits tensor is sliced. Every row's values are those of the whole (N, V) tensor."""
+    rows = rows or LABEL_CHUNK_ROWS
+    if isinstance(target_logits, LabelLogits):
+        hidden = target_logits.hidden[mask]  # (N, h)
+        for start in range(0, max(len(hidden), 1), rows):
+            yield target_logits.head(hidden[start:start + rows])
+    else:
+        selected = target_logits[mask]  # (N, V)
+        for start in range(0, max(len(selected), 1), rows):
+            yield selected[start:start + rows]
+
+
 @torch.no_grad()
 def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: int):
     """target_logits (B, T, V) (or any leading shape, e.g. (N, V) gathered rows) -> what the
@@ -173,8 +191,9 @@ def supervised_targets(drafter, target_logits, loss_mask: Tensor
         rows (B, T) long: index of row r into the two tensors below, -1 where never scored
         target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
     needed = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1).bool()  # (B, T): loss_mask[r+1]
-    target_p, in_vocab, argmax_draft = draft_vocab_targets(
-        target_logits[needed], drafter.t2d, drafter.config.draft_vocab_size)  # (N', Vd), (N',) x2
+    parts = [draft_vocab_targets(logits, drafter.t2d, drafter.config.draft_vocab_size)  # (c, Vd), (c,) x2
+             for logits in label_chunks(target_logits, needed)]
+    target_p, in_vocab, argmax_draft = (torch.cat(part) for part in zip(*parts))  # (N', Vd), (N',) x2
     scored = torch.zeros_like(needed)
     scored[needed] = in_vocab  # (B, T)
     rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)

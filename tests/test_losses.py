@@ -102,3 +102,30 @@ def test_the_fused_head_is_a_linear_layer_and_its_loss_is_the_fused_loss():
     soft = -(target_p * torch.log_softmax(x @ head.weight.T, -1)).sum() / 7
     soft.backward()
     torch.testing.assert_close(grad, head.weight.grad)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_the_label_side_in_chunks_equals_it_whole(rows, monkeypatch):
+    # supervised_targets computes the target's logits a chunk of rows at a time (peak (rows, V), not (N, V)); the
+    # soft labels, the in-vocabulary test and the draft argmax must be those of the whole (N, V) tensor
+    from types import SimpleNamespace
+
+    import drafters.losses as losses
+
+    torch.manual_seed(0)
+    V, h, draft = 50, 8, 20
+    head = torch.nn.Linear(h, V, bias=False)
+    hidden = torch.randn(2, 9, h)
+    loss_mask = (torch.rand(2, 9) > 0.3).long()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V)[:draft]] = True
+    drafter = SimpleNamespace(t2d=t2d, config=SimpleNamespace(draft_vocab_size=draft))
+    whole = losses.supervised_targets(drafter, head(hidden), loss_mask)  # a plain (B, T, V) tensor, no chunks
+    monkeypatch.setattr(losses, "LABEL_CHUNK_ROWS", rows)
+    for labels in (LabelLogits(hidden, head), head(hidden)):
+        chunked = losses.supervised_targets(drafter, labels, loss_mask)
+        assert torch.equal(chunked[0], whole[0])  # rows
+        # target_p: the head's matmul over fewer rows rounds differently in the last bit (1e-8), nothing more
+        torch.testing.assert_close(chunked[1][0], whole[1][0], rtol=1e-6, atol=1e-7)
+        assert torch.equal(chunked[1][1], whole[1][1])  # argmax_draft
+    assert len(list(losses.label_chunks(LabelLogits(hidden, head), loss_mask.bool()))) == -(-int(loss_mask.sum()) // rows)
