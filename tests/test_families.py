@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from drafters.decode.proposers.loading import FAMILY_LOADERS
-from drafters.export.dispatch import EXPORT_FORMATS
+from drafters.export.dispatch import EXPORTERS
 from drafters.registry import FAMILIES, NAMES
 from drafters.training.families import TRAINING_FAMILIES
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TABLES = {"drafters.training.families.TRAINING_FAMILIES": TRAINING_FAMILIES,
           "drafters.decode.proposers.loading.FAMILY_LOADERS": FAMILY_LOADERS,
-          "drafters.export.dispatch.EXPORT_FORMATS": EXPORT_FORMATS,
+          "drafters.export.dispatch.EXPORTERS": {family for family, _ in EXPORTERS},
           "drafters.registry.NAMES": NAMES, "drafters.registry.FAMILIES": FAMILIES}
 
 

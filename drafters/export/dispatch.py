@@ -40,19 +40,9 @@ from drafters.export.eagle3 import preflight, write_eagle3
 from drafters.export.llama_cpp import export_llama_cpp
 from drafters.export.medusa import export_medusa
 from drafters.export.peagle import export_peagle
+from drafters.registry import FAMILIES
 
 FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp")
-# The export layer's family table (keyed as drafters.registry.FAMILIES, tests/test_families.py): the formats each
-# family's checkpoints export to, and what each engine format holds, said when another family is asked of it.
-EXPORT_FORMATS = {
-    "eagle3": ("sglang", "vllm", "llama.cpp", "native"),
-    "dflash": ("sglang", "vllm", "llama.cpp", "native"),  # in the engines' DFlash layouts (drafters.export.dflash)
-    "eagle1": ("eagle1", "native"),
-    "medusa": ("medusa", "native"),
-    "blockwise": ("native",),
-    "dspark": ("vllm", "llama.cpp", "native"),  # speculators' dspark layout (drafters.export.dflash)
-    "peagle": ("vllm", "native"),  # speculators' peagle layout (drafters.export.peagle)
-}
 FORMAT_HOLDS = {
     "sglang": "sglang holds EAGLE-3 and DFlash drafters",
     "vllm": "vllm holds EAGLE-3, DFlash, DSpark and P-EAGLE drafters",
@@ -62,7 +52,6 @@ FORMAT_HOLDS = {
               "across heads, which no Medusa loader builds",
     "eagle1": "the official EAGLE-1 layout holds EAGLE-1 drafters only",
 }
-WRITERS = {"dflash": export_dflash, "dspark": export_dflash, "peagle": export_peagle}  # a family whose sglang / vllm layouts are its own, not EAGLE-3's
 
 
 def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp32",
@@ -73,20 +62,19 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
     family = _family(ckpt_dir)
-    if family in EXPORT_FORMATS and fmt not in EXPORT_FORMATS[family]:
+    # an unreadable drafter.json (family None) goes on to load_source, which says what is wrong with it
+    writer = EXPORTERS.get((family, fmt), _eagle3_layout if fmt == "native" or family is None else None)
+    if writer is None:
         raise ExportError(f"export of a {family} checkpoint to {fmt} is not supported ({FORMAT_HOLDS[fmt]}); use "
-                          f"--format {' or '.join(EXPORT_FORMATS[family])}")
-    if fmt == "llama.cpp":  # via the vllm (EAGLE-3) or sglang (DFlash) layout, then llama.cpp's converter
-        return export_llama_cpp(ckpt_dir, out_dir, target=target, export_checkpoint=export_checkpoint, dtype=dtype,
-                                overwrite=overwrite)
-    if fmt in ("sglang", "vllm") and family in WRITERS:  # the DFlash layouts of both engines
-        return WRITERS[family](ckpt_dir, fmt, out_dir, target=target, dtype=dtype,
-                               speculative_tokens=speculative_tokens, verifier=verifier, overwrite=overwrite)
+                          f"--format {' or '.join(EXPORT_FORMATS.get(family, ('native',)))}")
+    return writer(ckpt_dir, fmt, out_dir, target=target, dtype=dtype, speculative_tokens=speculative_tokens,
+                  verifier=verifier, overwrite=overwrite)
+
+
+def _eagle3_layout(ckpt_dir, fmt, out_dir, *, target, dtype, speculative_tokens, verifier, overwrite):
+    """EAGLE-3's sglang / vllm layouts, and the native copy of any family: written, read back by the independent
+    reader (drafters.export.check), renamed into place."""
     speculative_tokens = 3 if speculative_tokens is None else speculative_tokens
-    if fmt == "medusa":  # --verifier names the base model (base_model_name_or_path)
-        return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
-    if fmt == "eagle1":  # official EAGLE-1 layout: writer and independent reader in drafters.export.eagle1
-        return export_eagle1(ckpt_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
     canonical = export_dtype(dtype)  # float32 | bfloat16
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens={speculative_tokens} must be >= 1")
@@ -105,6 +93,37 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     return ExportResult(path=out_dir, fmt=fmt, dtype=dtype, config=config, check=report,
                         files=exported_files(out_dir))
 
+
+def _medusa(ckpt_dir, fmt, out_dir, *, target, dtype, verifier, overwrite, **_):
+    # --verifier names the base model (base_model_name_or_path)
+    return export_medusa(ckpt_dir, out_dir, target=target, dtype=dtype, base_model=verifier, overwrite=overwrite)
+
+
+def _eagle1(ckpt_dir, fmt, out_dir, *, target, dtype, overwrite, **_):
+    return export_eagle1(ckpt_dir, out_dir, target=target, dtype=dtype, overwrite=overwrite)
+
+
+def _llama_cpp(ckpt_dir, fmt, out_dir, *, target, dtype, overwrite, **_):
+    # via the vllm (EAGLE-3, DSpark) or sglang (DFlash) layout, then llama.cpp's own converter
+    return export_llama_cpp(ckpt_dir, out_dir, target=target, export_checkpoint=export_checkpoint, dtype=dtype,
+                            overwrite=overwrite)
+
+
+# The export layer's one table: (family, format) -> its writer, each of which reads its files back with the
+# family's independent reader before they land (EAGLE-3 and native: drafters.export.check; DFlash and DSpark:
+# drafters.export.dflash; P-EAGLE: drafters.export.peagle; Medusa: drafters.export.medusa; EAGLE-1:
+# drafters.export.eagle1; llama.cpp: drafters.export.llama_cpp). Every family exports `native`.
+EXPORTERS = {
+    ("eagle3", "sglang"): _eagle3_layout, ("eagle3", "vllm"): _eagle3_layout, ("eagle3", "llama.cpp"): _llama_cpp,
+    ("dflash", "sglang"): export_dflash, ("dflash", "vllm"): export_dflash, ("dflash", "llama.cpp"): _llama_cpp,
+    ("dspark", "vllm"): export_dflash, ("dspark", "llama.cpp"): _llama_cpp,  # speculators' dspark layout
+    ("peagle", "vllm"): export_peagle,  # speculators' peagle layout
+    ("eagle1", "eagle1"): _eagle1,
+    ("medusa", "medusa"): _medusa,
+    **{(family, "native"): _eagle3_layout for family in FAMILIES},
+}
+# keyed as drafters.registry.FAMILIES (tests/test_families.py): the formats each family's checkpoints export to
+EXPORT_FORMATS = {family: tuple(fmt for (f, fmt) in EXPORTERS if f == family) for family in FAMILIES}
 
 
 def _family(ckpt_dir) -> str | None:

@@ -46,7 +46,7 @@ SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config h
 
 def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
     """-> the target facts to export against (target_info fields). Raises ExportError. A checkpoint of another
-    family reaches here for --format native only (drafters.export.dispatch.EXPORT_FORMATS)."""
+    family reaches here for --format native only (drafters.export.dispatch.EXPORTERS)."""
     expected = export_target(ckpt, target)
     if ckpt.family != "eagle3":  # --format native: any family is copied as it is
         return expected
