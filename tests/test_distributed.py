@@ -130,10 +130,28 @@ def test_a_launch_this_machine_cannot_run_gets_one_sentence(env, recipe, message
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_launch_config(load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), *recipe], "train/eagle.py"), gpu=False)
+        check_launch_config(load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), *recipe]), gpu=False)
     for key in env:
         monkeypatch.delenv(key)
-    check_launch_config(load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), *recipe], "train/eagle.py"), gpu=False)  # clean
+    check_launch_config(load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), *recipe]), gpu=False)  # clean
+
+
+def test_a_recipes_auto_precision_takes_a_plain_launchs_no(monkeypatch):
+    # `accelerate launch train/eagle.py recipes/eagle3_smollm2.yaml` without a config file passes mixed_precision
+    # "no"; the recipe's auto (bf16 on a CPU with avx512_bf16) takes it instead of refusing the documented command
+    from drafters.training.families import load_recipe
+    from drafters.training.launch import launch_precision
+    from drafters.training.recipe import RecipeError
+
+    recipe = load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), "mixed_precision=auto"])
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert launch_precision(recipe) == "no"
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    assert launch_precision(recipe) in ("bf16", "no")  # no launch: the machine decides
+    # an explicit recipe value against the launch is still refused in one sentence
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(RecipeError, match="the accelerate config asks mixed_precision: no"):
+        launch_precision(load_recipe([str(ROOT / "recipes/eagle3_tiny.yaml"), "mixed_precision=bf16"]))
 
 
 def test_the_frozen_target_loads_as_the_recipe_says_under_a_zero3_launch(tmp_path):

@@ -30,14 +30,25 @@ def check_launch_config(recipe, gpu: bool) -> None:
         raise RecipeError("the accelerate config asks for FSDP v1 (fsdp_version: 1, the default), which needs a GPU; "
                           "set fsdp_version: 2 in its fsdp_config (FSDP2 runs on CPUs; recipes/accelerate/"
                           "fsdp_8gpu.yaml)")
+    launch_precision(recipe)
+
+
+def launch_precision(recipe) -> str:
+    """The drafter's autocast: the recipe's mixed_precision resolved on this machine, checked against what the launch
+    asks (`accelerate launch` passes ACCELERATE_MIXED_PRECISION, "no" when no config file says otherwise). A
+    recipe's `auto` takes the launch's "no": the documented `accelerate launch train/eagle.py RECIPE` without a
+    config file then trains, in float32 autocast, instead of being refused."""
     asked = os.environ.get("ACCELERATE_MIXED_PRECISION")
     chosen = resolve_precision("auto", recipe.mixed_precision)[1]
+    if recipe.mixed_precision == "auto" and asked == "no":
+        return "no"
     if asked not in (None, chosen):
         raise RecipeError(f"the accelerate config asks mixed_precision: {asked}, but the recipe's mixed_precision="
                           f"{recipe.mixed_precision} resolves to {chosen} on this machine"
                           + (" (no native bf16 on this CPU)" if asked == "bf16" and chosen == "no" else "")
                           + f": set mixed_precision: \"{chosen}\" in the accelerate config, or the recipe's "
                           f"mixed_precision={asked}")
+    return chosen
 
 
 def shards_parameters(accelerator) -> bool:

@@ -39,10 +39,14 @@ from drafters.training.resume import (
     resume_checkpoint,
     save_run_checkpoint,
 )
-from drafters.training.launch import check_launch_config, outside_zero3, shards_parameters
+from drafters.training.launch import check_launch_config, launch_precision, outside_zero3, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
+
+
+def mixed_precision_of(accelerator) -> str:
+    return str(accelerator.mixed_precision).lower()  # "no" | "bf16" | "fp16"
 
 
 def make_accelerator(recipe, script: str):
@@ -64,7 +68,7 @@ def make_accelerator(recipe, script: str):
     deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     fsdp_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_FSDP") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
-    mixed_precision = resolve_precision("auto", recipe.mixed_precision)[1]
+    mixed_precision = launch_precision(recipe)
     accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers,
                               cpu=not gpu and not deepspeed_on_cpu)
     if fsdp_on_cpu and accelerator.num_processes > 1:
@@ -114,7 +118,8 @@ def start_run(recipe, script: str):
         torch.set_num_threads(recipe.threads)
     accelerator = make_accelerator(recipe, script)
     claim_output_dir(recipe, accelerator)
-    dtype, _, precision = resolve_precision(recipe.dtype, recipe.mixed_precision, accelerator.device)
+    # the autocast the Accelerator was given (launch_precision: a recipe's auto takes the launch's "no")
+    dtype, _, precision = resolve_precision(recipe.dtype, mixed_precision_of(accelerator), accelerator.device)
     accelerator.print(precision)
     with outside_zero3():
         target = load_target(recipe.target, dtype=dtype)
