@@ -112,16 +112,17 @@ def load_recipe(argv: list[str], default: str = DEFAULT_FAMILY):
         raise RecipeError(f"{argv[0]}: drafter={name!r} is not a family this trainer trains; choose one of "
                           f"{', '.join(TRAINING_FAMILIES)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     family = TRAINING_FAMILIES[name]
-    own = {f.name for f in dataclasses.fields(family.recipe)}
+    # family -> field -> its default, for every family's schema
+    defaults = {other: fields_of(entry.recipe) for other, entry in TRAINING_FAMILIES.items()}
     foreign, dropped = [], set()
-    for key in [k for k in raw if k not in own]:
-        readers = [other for other, entry in TRAINING_FAMILIES.items() if key in fields_of(entry.recipe)]
+    for key in [k for k in raw if k not in defaults[name]]:
+        readers = [other for other, fields in defaults.items() if key in fields]
         if not readers:
             continue  # not a field of any family: the schema names it (with a close match)
         # another family's default says nothing this family could read; any other value is refused
         value = raw.pop(key)
         dropped.add(key)
-        if not all(says_default(value, fields_of(TRAINING_FAMILIES[r].recipe)[key]) for r in readers):
+        if not all(says_default(value, defaults[r][key]) for r in readers):
             foreign.append(f"{key}={value} is read by drafter: {', '.join(readers)} only, not {name}; remove it")
     overrides = [o for o in argv[1:] if o.partition("=")[0].strip().split(".")[0] not in dropped]
     return load_train_recipe([argv[0], *overrides], family.recipe, lambda recipe: foreign, raw=raw)

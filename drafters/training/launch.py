@@ -22,15 +22,15 @@ def on_cpus(config: dict, processes: int = 2) -> dict:
     return {**config, "num_processes": processes, "mixed_precision": "no"}
 
 
-def check_launch_config(recipe, gpu: bool) -> None:
+def check_launch_config(recipe, gpu: bool) -> str:
     """What an accelerate config asks that this machine or this recipe cannot give, refused in one sentence naming
     the config field, before the Accelerator starts: `accelerate launch` passes the config's fields to every
-    process as ACCELERATE_* / FSDP_* environment variables."""
+    process as ACCELERATE_* / FSDP_* environment variables. -> the drafter's autocast (launch_precision)."""
     if not gpu and os.environ.get("ACCELERATE_USE_FSDP") == "true" and os.environ.get("FSDP_VERSION", "1") == "1":
         raise RecipeError("the accelerate config asks for FSDP v1 (fsdp_version: 1, the default), which needs a GPU; "
                           "set fsdp_version: 2 in its fsdp_config (FSDP2 runs on CPUs; recipes/accelerate/"
                           "fsdp_8gpu.yaml)")
-    launch_precision(recipe)
+    return launch_precision(recipe)
 
 
 def launch_precision(recipe) -> str:

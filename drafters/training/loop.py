@@ -39,7 +39,7 @@ from drafters.training.resume import (
     resume_checkpoint,
     save_run_checkpoint,
 )
-from drafters.training.launch import check_launch_config, launch_precision, outside_zero3, shards_parameters
+from drafters.training.launch import check_launch_config, outside_zero3, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
@@ -63,12 +63,11 @@ def make_accelerator(recipe, script: str):
     if recipe.mixed_precision == "fp16" and not gpu:  # accelerate would train in fp32 and report fp16
         raise RecipeError("mixed_precision=fp16 needs a GPU: on a CPU accelerate leaves fp16 autocast off and "
                           "trains in fp32; use mixed_precision=bf16 (CPU autocast) or mixed_precision=no")
-    check_launch_config(recipe, gpu)
+    mixed_precision = check_launch_config(recipe, gpu)
     # DeepSpeed on CPUs: accelerate drops it under cpu=True, so it gets cpu=False and gloo
     deepspeed_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     fsdp_on_cpu = not gpu and os.environ.get("ACCELERATE_USE_FSDP") == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
-    mixed_precision = launch_precision(recipe)
     accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers,
                               cpu=not gpu and not deepspeed_on_cpu)
     if fsdp_on_cpu and accelerator.num_processes > 1:
