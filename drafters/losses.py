@@ -58,25 +58,82 @@ def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: in
     return target_p, t2d[target_argmax], draft_rank(t2d)[target_argmax]
 
 
+DIVERGENCES = ("kl", "reverse_kl", "jsd", "lk", "argmax")  # the `divergence` a drafter trains with
+TINY = 1e-30  # floor of p inside log p (reverse_kl) and of A inside -log A (lk): p underflows to 0 in float32
+
+
+def divergence_rows(log_q: Tensor, p: Tensor, divergence: str = "kl") -> Tensor:
+    """Each row's training loss between the target's distribution p and the draft's q = exp(log_q), both (..., Vd)
+    over the draft vocabulary, as differentiable torch ops (autograd is the reference the fused gradients of
+    `divergence_grad` are tested against). With A = sum_d min(p_d, q_d), the probability that a token drafted from
+    q is accepted when the target samples from p (A = 1 - TV(p, q)):
+        kl          -sum_d p_d log q_d                     (soft cross-entropy: KL(p || q) + H(p); EAGLE's loss)
+        reverse_kl  sum_d q_d (log q_d - log p_d)          KL(q || p), mode-seeking
+        jsd         1/2 KL(p || m) + 1/2 KL(q || m),  m = (p + q) / 2
+        lk          -log A                                 the LK loss (arXiv 2602.23881): acceptance itself
+        argmax      -log q_a,  a = argmax_d p_d            hard labels: greedy acceptance is [argmax q = a]
+    -> (...,) float32."""
+    log_q = log_q.float()
+    if divergence == "kl":
+        return -(p * log_q).sum(-1)
+    if divergence == "argmax":
+        return -log_q.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
+    q = log_q.exp()
+    if divergence == "reverse_kl":
+        return (q * (log_q - p.clamp_min(TINY).log())).sum(-1)
+    if divergence == "jsd":
+        log_m = ((p + q) / 2).log()
+        return 0.5 * (torch.xlogy(p, p) - p * log_m).sum(-1) + 0.5 * (q * (log_q - log_m)).sum(-1)
+    if divergence == "lk":
+        return -torch.minimum(p, q).sum(-1).clamp_min(TINY).log()
+    raise ValueError(f"divergence={divergence!r}: use one of {', '.join(DIVERGENCES)}")
+
+
+@torch.no_grad()
+def divergence_grad(log_q: Tensor, p: Tensor, divergence: str = "kl") -> tuple[Tensor, Tensor]:
+    """`divergence_rows` and its gradient with respect to the logits z (q = softmax(z)), by hand, for the fused head:
+        kl          dL/dz = q - p
+        argmax      dL/dz = q - onehot(a)
+        otherwise   dL/dz = q * (g - <q, g>),  g = dL/dq (the softmax Jacobian d q_d / d z_j = q_d (delta_dj - q_j)):
+            reverse_kl  g = log q - log p (+1, which <q, g> cancels)
+            jsd         g = 1/2 log(q / m)
+            lk          g = -[q < p] / A
+    log_q, p (c, Vd) -> (loss (c,), dL/dz (c, Vd)), float32."""
+    loss = divergence_rows(log_q, p, divergence)
+    q = log_q.float().exp()
+    if divergence == "kl":
+        return loss, q - p
+    if divergence == "argmax":
+        return loss, q - torch.zeros_like(q).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
+    if divergence == "reverse_kl":
+        g = log_q.float() - p.clamp_min(TINY).log()
+    elif divergence == "jsd":
+        g = 0.5 * (log_q.float() - ((p + q) / 2).log())
+    else:  # lk
+        g = -(q < p).float() / torch.minimum(p, q).sum(-1, keepdim=True).clamp_min(TINY)
+    return loss, q * (g - (q * g).sum(-1, keepdim=True))
+
+
 def soft_cross_entropy(draft_logits: Tensor, target_p: Tensor, in_vocab: Tensor,
                        argmax_draft: Tensor, loss_mask: Tensor, *,
-                       num_positions: int | Tensor | None = None, tv_weight: float = 0.0
+                       num_positions: int | Tensor | None = None, tv_weight: float = 0.0, divergence: str = "kl"
                        ) -> tuple[Tensor, Tensor, Tensor]:
     """draft_logits (B, T, Vd); the other inputs from `draft_vocab_targets`; loss_mask (B, T) 0/1.
     Any leading shape works, e.g. (M, Vd) rows gathered at the counted positions only (with an
     all-ones mask): the sums, hence loss, accuracy and gradients, are the same.
         counted_t = loss_mask_t and in_vocab_t,   q_t = softmax(draft_logits_t)
-        row_t = -sum_d target_p_td log q_td  +  tv_weight * 1/2 sum_d |q_td - target_p_td|
+        row_t = D(target_p_t, q_t)  +  tv_weight * 1/2 sum_d |q_td - target_p_td|
+                (D = `divergence_rows`; the default kl: -sum_d target_p_td log q_td)
         loss = sum_t counted_t * row_t / num_positions
                (num_positions defaults to count = sum_t counted_t: the mean over counted positions)
         accuracy = mean over counted t of [argmax draft_logits_t == argmax_draft_t]
     The second term is the total variation distance TV(p, q) = 1 - sum_d min(p_d, q_d), one minus the
     probability that a token drafted from q is accepted when the target samples from p (tv_weight 0:
-    the plain soft cross-entropy). Returns (loss, accuracy, count), 0-dim tensors; loss and accuracy
+    D alone). Returns (loss, accuracy, count), 0-dim tensors; loss and accuracy
     are 0 when count is 0."""
     counted = loss_mask.bool() & in_vocab  # (B, T)
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # (B, T, Vd)
-    ce = -(target_p * log_q).sum(-1)  # (B, T)
+    ce = divergence_rows(log_q, target_p, divergence)  # (B, T)
     if tv_weight:
         ce = ce + tv_weight * 0.5 * (log_q.exp() - target_p).abs().sum(-1)
     count = counted.sum()
@@ -102,20 +159,22 @@ def soft_cross_entropy_draft_vocab(draft_logits: Tensor, target_logits: Tensor, 
 
 
 class LinearSoftCrossEntropy(torch.autograd.Function):
-    """Soft cross-entropy (plus tv_weight x total variation, as in `soft_cross_entropy`) of the logits
+    """The loss of `soft_cross_entropy` (D = `divergence_rows`, plus tv_weight x total variation) of the logits
     z = x W^T, fused with the LM head and differentiated in the forward pass, `chunk` rows at a time, so no
     (M, Vd) logits, log-probabilities or softmax are kept for backward (seven TTT steps of them are most of
     EAGLE-3's training memory). Per row m, with q = softmax(z_m), sum_d p_md = 1 (target_p is a
     distribution over the draft vocabulary), lam = tv_weight and g = 1/2 sign(q_m - p_m):
-        loss     = scale * sum_m [-sum_d p_md log q_md + lam/2 sum_d |q_md - p_md|]
-        dL/dz_m  = scale * (q_m - p_m + lam q_m * (g - <q_m, g>))    (c, Vd) per chunk, then dropped
-                   (softmax Jacobian: d q_d / d z_j = q_d (delta_dj - q_j))
+        loss     = scale * sum_m [D(p_m, q_m) + lam/2 sum_d |q_md - p_md|]
+        dL/dz_m  = scale * (dD/dz_m + lam q_m * (g - <q_m, g>))    (c, Vd) per chunk, then dropped
+                   (dD/dz_m from `divergence_grad`, q_m - p_m for kl; the softmax Jacobian is
+                   d q_d / d z_j = q_d (delta_dj - q_j))
         dL/dx_m  = dL/dz_m W           dL/dW = sum_m dL/dz_m^T x_m    kept: (M, h) and (Vd, h)
     backward scales the kept gradients by the incoming scalar gradient. Matmuls run in x's dtype (bf16
     under autocast), the softmax and the accumulated dL/dW in float32, as the unfused path does."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int, tv_weight: float):
+    def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int, tv_weight: float,
+                divergence: str):
         w = weight.to(x.dtype)
         train_w = ctx.needs_input_grad[1]  # a frozen head (DFlash: the target's rows) needs no dL/dW
         grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32,
@@ -125,13 +184,14 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk)
             z = (x[rows] @ w.T).float()  # (c, Vd)
             log_q = torch.log_softmax(z, dim=-1)
-            loss += -(target_p[rows] * log_q).sum()
             argmax[rows] = z.argmax(-1)
-            q = log_q.exp_()  # (c, Vd), log_q no longer needed
-            dz = q - target_p[rows]  # (c, Vd)
+            row_loss, dz = divergence_grad(log_q, target_p[rows], divergence)  # (c,), (c, Vd)
+            loss += row_loss.sum()
             if tv_weight:
-                loss += tv_weight * 0.5 * dz.abs().sum()
-                g = 0.5 * dz.sign()
+                q = log_q.exp_()  # (c, Vd), log_q no longer needed
+                difference = q - target_p[rows]
+                loss += tv_weight * 0.5 * difference.abs().sum()
+                g = 0.5 * difference.sign()
                 dz += tv_weight * q * (g - (q * g).sum(-1, keepdim=True))
             dz = dz.mul_(scale).to(x.dtype)
             grad_x[rows] = dz @ w
@@ -146,12 +206,12 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor, _grad_argmax):
         grad_x, grad_w = ctx.saved_tensors
         grad_w = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None
+        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None, None
 
 
 def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,
-                              num_positions: int | None = None, chunk: int = 256, tv_weight: float = 0.0
-                              ) -> tuple[Tensor, Tensor, Tensor]:
+                              num_positions: int | None = None, chunk: int = 256, tv_weight: float = 0.0,
+                              divergence: str = "kl") -> tuple[Tensor, Tensor, Tensor]:
     """`soft_cross_entropy(x @ weight.T, target_p, ...)` over rows that all count, without the logits tensor.
     x (M, h) the normed hidden states, weight (Vd, h) the drafter's LM head, target_p (M, Vd), argmax_draft
     (M,). -> (loss, accuracy, count) as `soft_cross_entropy` returns them (loss = sum / num_positions,
@@ -160,7 +220,7 @@ def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argma
     scale = 1.0 / (num_positions if num_positions is not None else max(len(x), 1))
     if torch.is_autocast_enabled(x.device.type):  # the matmul dtype an autocast nn.Linear would use
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight)
+    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight, divergence)
     accuracy = (argmax == argmax_draft).sum() / count.clamp(min=1)
     return loss, accuracy, count
 
@@ -176,11 +236,11 @@ class FusedLinearHead(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: Tensor, target_p: Tensor | None = None, argmax_draft: Tensor | None = None, *,
-                num_positions: int | None = None, tv_weight: float = 0.0):
+                num_positions: int | None = None, tv_weight: float = 0.0, divergence: str = "kl"):
         if target_p is None:
             return super().forward(x)
         return linear_soft_cross_entropy(x, self.weight, target_p, argmax_draft, num_positions=num_positions,
-                                         tv_weight=tv_weight)
+                                         tv_weight=tv_weight, divergence=divergence)
 
 
 def supervised_targets(drafter, target_logits, loss_mask: Tensor

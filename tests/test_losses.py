@@ -129,3 +129,61 @@ def test_the_label_side_in_chunks_equals_it_whole(rows, monkeypatch):
         torch.testing.assert_close(chunked[1][0], whole[1][0], rtol=1e-6, atol=1e-7)
         assert torch.equal(chunked[1][1], whole[1][1])  # argmax_draft
     assert len(list(losses.label_chunks(LabelLogits(hidden, head), loss_mask.bool()))) == -(-int(loss_mask.sum()) // rows)
+
+
+# ---- the divergences a drafter can train with (recipe field `divergence`) --------------------------------
+
+
+def test_each_divergence_is_its_formula_by_hand():
+    # p = (0.5, 0.3, 0.2), q = (0.2, 0.3, 0.5): A = sum min = 0.2 + 0.3 + 0.2 = 0.7, m = (0.35, 0.3, 0.35)
+    import math
+
+    from drafters.losses import divergence_rows
+    p, q = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.3, 0.5]])
+    log = math.log
+    expected = {
+        "kl": -(0.5 * log(0.2) + 0.3 * log(0.3) + 0.2 * log(0.5)),
+        "reverse_kl": 0.2 * log(0.2 / 0.5) + 0.3 * log(1.0) + 0.5 * log(0.5 / 0.2),
+        "jsd": 0.5 * (0.5 * log(0.5 / 0.35) + 0.2 * log(0.2 / 0.35)) + 0.5 * (0.2 * log(0.2 / 0.35)
+                                                                          + 0.5 * log(0.5 / 0.35)),
+        "lk": -log(0.7),
+        "argmax": -log(0.2),  # the target's argmax is token 0, which q gives 0.2
+    }
+    for name, value in expected.items():
+        got = divergence_rows(q.log(), p, name)
+        torch.testing.assert_close(got, torch.tensor([value]), rtol=1e-6, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="divergence='l2': use one of kl, reverse_kl"):
+        divergence_rows(q.log(), p, "l2")
+
+
+@pytest.mark.parametrize("divergence", ["kl", "reverse_kl", "jsd", "lk", "argmax"])
+@pytest.mark.parametrize("tv_weight", [0.0, 0.7])
+def test_each_divergence_fused_equals_autograd(divergence, tv_weight):
+    # the fused head differentiates by hand (drafters.losses.divergence_grad); autograd of the unfused rows is the
+    # reference, for the loss, both gradients and the accuracy
+    x, weight, target_p, argmax_draft = inputs(seed=3)
+    ones = torch.ones(len(x), dtype=torch.bool)
+    expected = soft_cross_entropy(x @ weight.T, target_p, ones, argmax_draft, ones, tv_weight=tv_weight,
+                                  divergence=divergence)
+    expected[0].backward()
+    grads = x.grad.clone(), weight.grad.clone()
+    x.grad = weight.grad = None
+    got = linear_soft_cross_entropy(x, weight, target_p, argmax_draft, chunk=8, tv_weight=tv_weight,
+                                    divergence=divergence)
+    got[0].backward()
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
+    assert got[1] == expected[1]
+    torch.testing.assert_close(x.grad, grads[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, grads[1], rtol=1e-5, atol=1e-6)
+    assert grads[0].abs().sum() > 0  # a loss that moves the drafter
+
+
+def test_the_divergences_differ_and_vanish_where_the_draft_is_the_target():
+    from drafters.losses import DIVERGENCES, divergence_rows
+    p = torch.softmax(torch.randn(4, 9, generator=torch.Generator().manual_seed(1)), -1)
+    q = torch.softmax(torch.randn(4, 9, generator=torch.Generator().manual_seed(2)), -1)
+    values = {name: divergence_rows(q.log(), p, name) for name in DIVERGENCES}
+    assert len({round(v.sum().item(), 5) for v in values.values()}) == len(DIVERGENCES)
+    for name in ("reverse_kl", "jsd", "lk"):  # zero at q = p; kl's minimum there is H(p), argmax's -log p_a
+        torch.testing.assert_close(divergence_rows(p.log(), p, name), torch.zeros(4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(divergence_rows(p.log(), p, "kl"), -(p * p.log()).sum(-1))

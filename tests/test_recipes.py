@@ -85,6 +85,9 @@ def test_all_problems_are_named_at_once():
     ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3 only, not eagle1"),
     ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3 only, not dflash"),
     ("recipes/dflash_tiny.yaml", "init_layer=-1", "init_layer=-1 is read by drafter: eagle3 only, not dflash"),
+    ("recipes/dflash_tiny.yaml", "divergence=lk", "divergence=lk is read by drafter: eagle3 only, not dflash"),
+    ("recipes/eagle3_tiny.yaml", "divergence=l2", "divergence='l2' is not a loss EAGLE-3 trains with: use one of kl, "
+     "reverse_kl, jsd, lk, argmax"),
     ("recipes/eagle1_tiny.yaml", "eval_ttt_steps=3", "eval_ttt_steps=3 is read by drafter: eagle3 only, not eagle1"),
     ("recipes/medusa_tiny.yaml", "blockwise.loss=sample_one",
      "blockwise={'loss': 'sample_one'} is read by drafter: blockwise only, not medusa"),

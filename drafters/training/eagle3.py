@@ -24,7 +24,7 @@ from drafters.eagle3 import (
     ttt_label_rows,
 )
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS
-from drafters.losses import LabelLogits, soft_cross_entropy, supervised_targets
+from drafters.losses import DIVERGENCES, LabelLogits, soft_cross_entropy, supervised_targets
 from drafters.targets import Target, default_eagle3_layers
 from drafters.training.loop import RunBase
 from drafters.training.metrics import StepMetrics
@@ -61,6 +61,10 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
     # each position's loss adds tv_weight x the total variation distance between the target's and the draft's
     # distributions (1 - P(a sampled draft is accepted); drafters.losses.soft_cross_entropy)
     tv_weight: float = 0.0
+    # each position's loss between the target's and the draft's distributions (drafters.losses.divergence_rows):
+    # kl (EAGLE's soft cross-entropy), reverse_kl, jsd, lk (-log of the acceptance probability, the LK loss) or
+    # argmax (hard labels: cross-entropy against the target's argmax)
+    divergence: str = "kl"
     # the drafter's decoder layer starts as this target decoder layer (an index into the target's layers, -1 = the
     # last; Eagle3Drafter.init_layer_from), not random; null = random (SpecForge's start)
     init_layer: int | None = None
@@ -75,7 +79,10 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
         if self.step_weight <= 0:
             problems.append(f"step_weight={self.step_weight} must be > 0")
         if self.tv_weight < 0:
-            problems.append(f"tv_weight={self.tv_weight} must be >= 0 (0 = the soft cross-entropy alone)")
+            problems.append(f"tv_weight={self.tv_weight} must be >= 0 (0 = the divergence alone)")
+        if self.divergence not in DIVERGENCES:
+            problems.append(f"divergence={self.divergence!r} is not a loss EAGLE-3 trains with: use one of "
+                            f"{', '.join(DIVERGENCES)}")
         if self.eval_ttt_steps is not None and self.eval_ttt_steps < 1:
             problems.append(f"eval_ttt_steps={self.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
         return problems
@@ -124,7 +131,7 @@ def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftV
     drafter = build_eagle3_drafter(recipe, target, vocab)
     say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
-    return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight)
+    return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight, recipe.divergence)
 
 
 def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
@@ -154,12 +161,12 @@ class TTTOutput:
 
 
 def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
-             step_weight: float = 0.8, tv_weight: float = 0.0, normalize: str = "positions",
-             return_logits: bool = False) -> TTTOutput:
+             step_weight: float = 0.8, tv_weight: float = 0.0, divergence: str = "kl",
+             normalize: str = "positions", return_logits: bool = False) -> TTTOutput:
     """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K steps, each scored by the soft
-    cross-entropy against the target's distribution renormalised over the draft vocabulary, weighted
-    step_weight^i (each position's loss + tv_weight x total variation, drafters.losses). target_logits
-    (B, T, V), or drafters.losses.LabelLogits (read only at the supervised rows, so the full (B, T, V)
+    cross-entropy (or another `divergence`) against the target's distribution renormalised over the draft
+    vocabulary, weighted step_weight^i (each position's loss + tv_weight x total variation, drafters.losses).
+    target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised rows, so the full (B, T, V)
     logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
     is learnt. normalize: "positions" = each step's loss sums over counted positions / (B*T), the
     official trainer's and SpecForge's "averaged over all positions"; "counted" = mean over them.
@@ -185,11 +192,13 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
             step_logits.append(logits)
             all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
             metrics.append(soft_cross_entropy(logits[counted], target_p, all_counted, argmax_draft,
-                                              all_counted, num_positions=num_positions, tv_weight=tv_weight))
+                                              all_counted, num_positions=num_positions, tv_weight=tv_weight,
+                                              divergence=divergence))
         else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
             normed = drafter.norm(hidden[:, :num_rows][counted])  # (M, h)
             metrics.append(drafter.lm_head(normed, target_p, argmax_draft, num_positions=num_positions,
-                                           tv_weight=tv_weight))  # a module call: sharding engines gather it
+                                           tv_weight=tv_weight, divergence=divergence))  # a module call:
+            # sharding engines (ZeRO-3, FSDP) gather the head's weight around it
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
     weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
@@ -200,13 +209,16 @@ class Eagle3Objective(nn.Module):
     """What accelerate prepares (DDP syncs gradients through forward): the training-time test of
     `drafter` on one batch. The target stays outside; its features and embedding are arguments."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float, tv_weight: float = 0.0):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float, tv_weight: float = 0.0,
+                 divergence: str = "kl"):
         super().__init__()
         self.drafter, self.steps, self.step_weight, self.tv_weight = drafter, steps, step_weight, tv_weight
+        self.divergence = divergence
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
         return ttt_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed,
-                        steps=self.steps, step_weight=self.step_weight, tv_weight=self.tv_weight)
+                        steps=self.steps, step_weight=self.step_weight, tv_weight=self.tv_weight,
+                        divergence=self.divergence)
 
 
 def target_inputs_fn(recipe: FeatureRecipe, target: Target, drafter):
@@ -255,7 +267,8 @@ def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], 
         features, target_logits = inputs(batch)  # online or offline, as in training
         with accelerator.autocast():
             out = ttt_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"],
-                           embed, steps=steps, step_weight=recipe.step_weight, tv_weight=recipe.tv_weight)
+                           embed, steps=steps, step_weight=recipe.step_weight, tv_weight=recipe.tv_weight,
+                           divergence=recipe.divergence)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])
