@@ -14,7 +14,9 @@ stream the same stored features, so they see the same training conversations and
                   evaluate_eagle3, at eval_ttt_steps=7 whatever the setting trains at); acc_1 = first draft.
                   DFlash rows: its own per-block tau_pred (1 + mean leading correct slots, blocks of 3 drafts) under @3
     mt-bench      with --mt-bench N: tau of a greedy chain of --chain drafts on the first N MT-bench
-                  questions (turn 1, 128 new tokens) in this project's decoder (eval/tau.py)
+                  questions (--mt-bench-turns, default turn 1; --mt-bench-tokens new tokens, default 128) in this
+                  project's decoder (eval/tau.py); issue 35's protocol is --mt-bench 80 --mt-bench-turns 2
+                  --mt-bench-tokens 32
     cpu_s         the training run's wall time x threads (start-up and the final evaluation included)
 
 Results go to OUT/results.json (one entry per setting, rewritten after each) and a markdown table to
@@ -72,6 +74,15 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
     # (f) epochs against distinct tokens: the combo, lr 1e-3, on half the budget's rows, seen twice
     "combo-2ep": ("(f) the combo, lr 1e-3, 2 epochs over budget / 2 training rows (data.train_rows)",
                   [*FAST, *COMBO, "data.train_rows={half}"]),
+    # (h) issue 35: the loss, from today's recipe (the combo above) at lr 1e-3; "kl" is that recipe unchanged
+    "kl": ("(h) today's recipe: soft cross-entropy (KL), the combo at lr 1e-3", [*FAST, *COMBO]),
+    "lk": ("(h) LK loss: -log acceptance probability (divergence=lk)", [*FAST, *COMBO, "divergence=lk"]),
+    "kl-tv": ("(h) KL + total variation (tv_weight=1)", [*FAST, *COMBO, "tv_weight=1.0"]),
+    "jsd": ("(h) Jensen-Shannon divergence", [*FAST, *COMBO, "divergence=jsd"]),
+    "reverse-kl": ("(h) reverse KL, KL(q || p)", [*FAST, *COMBO, "divergence=reverse_kl"]),
+    "argmax": ("(h) hard labels: cross-entropy against the target's argmax", [*FAST, *COMBO, "divergence=argmax"]),
+    "muon": ("(h) Muon on the hidden matrices, AdamW on the rest (optim.name=muon), lr 1e-3",
+             [*FAST, *COMBO, "optim.name=muon"]),
     # (g) DFlash from the same store: blocks of 4 = 3 drafts a pass, what a chain of 3 serves; its full vocabulary
     # is what llama.cpp's DFlash converter needs (no d2t mapping there)
     "dflash-b4": ("(g) DFlash, block 4 (3 drafts a pass), full vocab, lr 1e-3", [*FAST, "dflash.block_size=4"],
@@ -102,7 +113,8 @@ def train_command(name: str, args) -> tuple[list[str], int]:
 def mt_bench_command(name: str, args) -> list[str]:
     return ["python", "eval/tau.py", "--target", args.target, "--proposer",
             f"{args.out}/{name}/checkpoint-final", "--bench", "mt_bench", "--tree", f"chain:{args.chain}",
-            "--limit", str(args.mt_bench), "--max-turns", "1", "--max-new-tokens", "128", "--no-baseline",
+            "--limit", str(args.mt_bench), "--max-turns", str(args.mt_bench_turns), "--max-new-tokens",
+            str(args.mt_bench_tokens), "--temperature", "0", "--no-baseline",
             "--threads", str(args.threads), "--json", f"{args.out}/{name}/mt_bench-chain{args.chain}.json"]
 
 
@@ -165,6 +177,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--mt-bench", type=int, default=0, help="also measure chain tau on the first N MT-bench questions")
     p.add_argument("--chain", type=int, default=3, help="chain length for --mt-bench (default 3)")
+    p.add_argument("--mt-bench-turns", type=int, default=1, help="MT-bench turns per question (1 or 2; default 1)")
+    p.add_argument("--mt-bench-tokens", type=int, default=128, help="new tokens per MT-bench turn (default 128)")
     p.add_argument("--out", default="outputs/ablate")
     args = p.parse_args(argv)
     names = args.settings.split(",")

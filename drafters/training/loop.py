@@ -41,6 +41,7 @@ from drafters.training.resume import (
 )
 from drafters.training.launch import check_launch_config, outside_zero3, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
+from drafters.training.optimizers import build_optimizer
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
 
@@ -256,13 +257,16 @@ class Summary:
 
 def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: list, train_rows, resume,
         family, name: str) -> Summary:
-    """The part of every training script after its drafter and objective exist: AdamW on the drafter's
+    """The part of every training script after its drafter and objective exist: the optimizer on the drafter's
     parameters, accelerate's prepare, the lr schedule, resume, train_loop, a last evaluation and
     checkpoint-final. `family` is the drafters.training.families.TrainingFamily being trained; its `run`, the
     family's RunBase subclass, drives the loop."""
     say = accelerator.print
-    optimizer = torch.optim.AdamW(objective.drafter.parameters(), lr=recipe.optim.lr,
-                                  betas=tuple(recipe.optim.betas), weight_decay=recipe.optim.weight_decay)
+    if recipe.optim.name == "muon" and accelerator.distributed_type.name in ("DEEPSPEED", "FSDP"):
+        raise RecipeError(f"optim.name=muon orthogonalises whole weight matrices, and this launch "
+                          f"({accelerator.distributed_type.name}) flattens or shards them: use optim.name=adamw, or "
+                          "launch with DDP (accelerate launch --multi_gpu)")
+    optimizer = build_optimizer(recipe.optim, objective.drafter)
     sampler = loader.batch_sampler
     # a whole copy for evaluation and checkpoints, made before prepare() shards the drafter (main process only)
     whole = copy.deepcopy(objective.drafter) if shards_parameters(accelerator) and accelerator.is_main_process else None

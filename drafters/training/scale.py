@@ -24,6 +24,7 @@ from drafters.decode.decoder import synced_clock
 from drafters.draft_vocab import DraftVocab
 from drafters.targets import Target
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
+from drafters.training.optimizers import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 # Model shapes by name: a Llama config's fields. "tiny" keeps the CPU mode to seconds; only shapes differ.
@@ -104,7 +105,7 @@ def build_step(setting: StepSetting, target: Target):
     vocab = DraftVocab.from_used(torch.arange(recipe.draft_vocab_size), target.vocab_size)
     objective = family.build(recipe, target, [], vocab, lambda *_: None)
     inputs = family.inputs(recipe, target, objective.drafter)
-    optimizer = torch.optim.AdamW(objective.drafter.parameters(), lr=recipe.optim.lr, betas=tuple(recipe.optim.betas))
+    optimizer = build_optimizer(recipe.optim, objective.drafter)
     return objective.train(), inputs, optimizer
 
 

@@ -46,6 +46,7 @@ class Data:
 
 @dataclass
 class Optim:
+    name: str = "adamw"  # adamw | muon (drafters.training.optimizers: Muon on hidden matrices, AdamW on the rest)
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -53,11 +54,16 @@ class Optim:
     schedule: Literal["cosine", "constant"] = "cosine"  # after warmup; cosine decays to 0
     max_grad_norm: float | None = 0.5  # null = no clipping (the norm is still logged)
     clip_value: float | None = None  # clip each gradient element to [-v, v] first (official EAGLE: 0.5)
+    momentum: float = 0.95  # Muon's (optim.name=muon only)
 
     def problems(self) -> list[str]:
         found = []
         if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0:
             found.append(f"optim.lr={self.lr} must be > 0, warmup_steps and weight_decay >= 0")
+        if self.name not in ("adamw", "muon"):
+            found.append(f"optim.name={self.name!r} is not an optimizer this trainer builds: use adamw or muon")
+        if not 0 <= self.momentum < 1:
+            found.append(f"optim.momentum={self.momentum} must be in [0, 1)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             found.append(f"optim.betas={self.betas} must be two numbers in [0, 1)")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
