@@ -47,6 +47,7 @@ from drafters.export.reading import (
     read_json,
     read_tensors,
     rope_fields,
+    rebuild,
 )
 
 
@@ -433,7 +434,7 @@ def _same_tensors(a: dict, b: dict, where: Path) -> None:
 
 def _compare(config: Eagle3Config, state: dict, reference: Checkpoint | None, where: Path,
              seed: int, dtype: torch.dtype) -> tuple[float | None, float | None]:
-    rebuilt = _drafter(config, state, where)
+    rebuilt = rebuild(config, state, where)
     if reference is None:
         return None, None
     source_config = Eagle3Config(**reference.config)
@@ -449,8 +450,8 @@ def _compare(config: Eagle3Config, state: dict, reference: Checkpoint | None, wh
         if not torch.equal(state[key], reference.state_dict[key]):
             raise ExportCheckError(f"{where}: {key} differs from the source checkpoint")
     got = _draft_logits(rebuilt, config, seed)
-    want = _draft_logits(_drafter(config, rounded, where), config, seed)
-    source = _draft_logits(_drafter(config, reference.state_dict, where), config, seed)
+    want = _draft_logits(rebuild(config, rounded, where), config, seed)
+    source = _draft_logits(rebuild(config, reference.state_dict, where), config, seed)
     diff = max((g - w).abs().max().item() for g, w in zip(got, want))
     if not diff <= 1e-5:  # NaN fails too
         raise ExportCheckError(f"{where}: the drafter rebuilt from the export gives draft logits "
@@ -458,15 +459,6 @@ def _compare(config: Eagle3Config, state: dict, reference: Checkpoint | None, wh
     return diff, max((g - s).abs().max().item() for g, s in zip(got, source))
 
 
-def _drafter(config: Eagle3Config, state: dict, where: Path) -> Eagle3Drafter:
-    drafter = Eagle3Drafter(config)
-    try:
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                 for k, v in state.items()}, strict=True)
-    except RuntimeError as err:
-        raise ExportCheckError(f"{where}: the tensors do not load into an Eagle3Drafter: "
-                               f"{err}") from None
-    return drafter.eval()
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
-                                     read_tensors)
+                                     read_tensors, rebuild)
 from drafters.dtypes import DTYPES
 from drafters.export.common import (
     ExportError,
@@ -415,7 +415,7 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
     head must equal `target_head`'s rows of the draft vocabulary (in the export dtype)."""
     path = Path(path)
     c, state, head, written, dtype = read_dflash_export(path, fmt, target=target)
-    rebuilt = _rebuild(c, state, path)
+    rebuilt = rebuild(c, state, path)
     diffs = (None, None)
     if head is not None and target_head is not None:
         want = target_head.detach().cpu()[rebuilt.draft_vocab.used].to(dtype)
@@ -431,8 +431,8 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
                 raise ExportCheckError(f"{path}: {key} differs from the source checkpoint's draft vocabulary")
         rounded = {k: v.to(dtype) if v.is_floating_point() else v for k, v in reference.state_dict.items()}
         got = _draft_logits(rebuilt, seed)
-        want = _draft_logits(_rebuild(c, rounded, path), seed)
-        unrounded = _draft_logits(_rebuild(c, reference.state_dict, path), seed)
+        want = _draft_logits(rebuild(c, rounded, path), seed)
+        unrounded = _draft_logits(rebuild(c, reference.state_dict, path), seed)
         diff = (got - want).abs().max().item()
         if not diff <= 1e-5:  # NaN fails too
             raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives draft logits up to {diff:.3g} "
@@ -441,14 +441,6 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
     return CheckReport(path, fmt, "dspark" if isinstance(c, DSparkConfig) else "dflash", c.aux_layers, written, str(dtype), len(state), *diffs)
 
 
-def _rebuild(c: DFlashConfig, state: dict, where: Path) -> DFlashDrafter:
-    try:
-        vocab = DraftVocab.from_state_dict(state, source=str(where))
-        drafter = (DSparkDrafter if isinstance(c, DSparkConfig) else DFlashDrafter)(c, vocab)
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    except (DraftVocabError, RuntimeError, ValueError) as err:
-        raise ExportCheckError(f"{where}: the tensors do not load into a DFlashDrafter: {err}") from None
-    return drafter.eval()
 
 
 @torch.no_grad()

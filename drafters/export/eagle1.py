@@ -42,7 +42,8 @@ from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
                                     export_target, load_source)
 from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, config_dtype, get_field,
-                                     llama_default, note_defaults, read_json, read_tensors, rope_fields)
+                                     llama_default, note_defaults, read_json, read_tensors, rebuild,
+                                     rope_fields)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -189,7 +190,7 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
     predicted features and logits (weights rounded to the export dtype) within 1e-5."""
     path = Path(path)
     c, state, dtype = read_eagle1_export(path, target=target)
-    rebuilt = _drafter(c, state, path)
+    rebuilt = rebuild(c, state, path)
     diffs = (None, None)
     if reference is not None:
         source_config = Eagle1Config(**reference.config)
@@ -198,8 +199,8 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
             raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
         rounded = {k: v.to(dtype) for k, v in reference.state_dict.items()}
         got = _outputs(rebuilt, c, seed)
-        want = _outputs(_drafter(c, rounded, path), c, seed)
-        source = _outputs(_drafter(c, reference.state_dict, path), c, seed)
+        want = _outputs(rebuild(c, rounded, path), c, seed)
+        source = _outputs(rebuild(c, reference.state_dict, path), c, seed)
         diff = max((a - b).abs().max().item() for a, b in zip(got, want))
         if not diff <= 1e-5:  # NaN fails too
             raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives outputs up to {diff:.3g} away "
@@ -227,13 +228,6 @@ def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path
     return dtype
 
 
-def _drafter(c: Eagle1Config, state: dict, where: Path) -> Eagle1Drafter:
-    drafter = Eagle1Drafter(c)
-    try:
-        drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    except RuntimeError as err:
-        raise ExportCheckError(f"{where}: the tensors do not load into an Eagle1Drafter: {err}") from None
-    return drafter.eval()
 
 
 @torch.no_grad()

@@ -35,8 +35,8 @@ from drafters.checkpoint import Checkpoint, CheckpointError
 from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
                                     export_target, load_source)
-from drafters.export.reading import ExportCheckError, check_finite, config_dtype, read_json, read_tensors
-from drafters.medusa import MedusaConfig, MedusaHeads
+from drafters.export.reading import ExportCheckError, check_finite, config_dtype, read_json, read_tensors, rebuild
+from drafters.medusa import MedusaConfig
 from drafters.registry import load_drafter
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "medusa_lm_head.safetensors"
@@ -196,11 +196,11 @@ def check_medusa_export(path, *, target: dict | None = None, reference: Checkpoi
     """Reads the export (read_medusa_export) and, given the source checkpoint, compares the rebuilt
     heads' logits with the source's (weights rounded to the export dtype) on fixed random inputs."""
     config, state, dtype, _ = read_medusa_export(path, target=target)
-    heads = _heads(config, state, path)
+    heads = rebuild(config, state, path, MedusaExportError)
     diff = None
     if reference is not None:
-        source = _heads(MedusaConfig(**reference.config),
-                        {k: v.to(dtype) for k, v in reference.state_dict.items()}, reference.path)
+        source = rebuild(MedusaConfig(**reference.config), {k: v.to(dtype) for k, v in reference.state_dict.items()},
+                         reference.path, MedusaExportError)
         if asdict(source.config) != asdict(config):
             raise MedusaExportError(f"{path}: read back as {config}, the source is {source.config}")
         generator = torch.Generator().manual_seed(seed)
@@ -217,13 +217,6 @@ def check_medusa_export(path, *, target: dict | None = None, reference: Checkpoi
                              str(dtype).removeprefix("torch."), len(state), diff)
 
 
-def _heads(config: MedusaConfig, state: dict, where) -> MedusaHeads:
-    heads = MedusaHeads(config)
-    try:
-        heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    except RuntimeError as err:
-        raise MedusaExportError(f"{where}: weights do not fit {config}: {err}") from None
-    return heads.eval()
 
 
 def _read_config(file: Path) -> dict:

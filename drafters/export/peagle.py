@@ -46,6 +46,7 @@ from drafters.export.reading import (
     read_json,
     read_tensors,
     rope_fields,
+    rebuild,
 )
 from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
@@ -230,7 +231,7 @@ def check_peagle_export(path, *, target: dict | None = None, reference: Checkpoi
     rounded to the export dtype) within 1e-5 in one pass over random features."""
     path = Path(path)
     c, state, _, dtype = read_peagle_export(path, target=target)
-    rebuilt = _rebuild(c, state, path)
+    rebuilt = rebuild(c, state, path)
     diffs = (None, None)
     if reference is not None:
         source = PEagleConfig(**reference.config)
@@ -239,21 +240,14 @@ def check_peagle_export(path, *, target: dict | None = None, reference: Checkpoi
             raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
         rounded = {k: v.to(dtype) if v.is_floating_point() else v for k, v in reference.state_dict.items()}
         got = _draft_logits(rebuilt, seed)
-        diff = (got - _draft_logits(_rebuild(c, rounded, path), seed)).abs().max().item()
+        diff = (got - _draft_logits(rebuild(c, rounded, path), seed)).abs().max().item()
         if not diff <= 1e-5:
             raise ExportCheckError(f"{path}: the drafter rebuilt from the export drafts logits up to {diff:.3g} away "
                                    "from the source checkpoint's (atol 1e-5)")
-        diffs = (diff, (got - _draft_logits(_rebuild(c, reference.state_dict, path), seed)).abs().max().item())
+        diffs = (diff, (got - _draft_logits(rebuild(c, reference.state_dict, path), seed)).abs().max().item())
     return CheckReport(path, "vllm", "peagle", c.aux_layers, c.aux_layers, str(dtype), len(state) + 1, *diffs)
 
 
-def _rebuild(c: PEagleConfig, state: dict, where: Path) -> PEagleDrafter:
-    try:
-        drafter = PEagleDrafter(c, DraftVocab.from_state_dict(state, source=str(where)))
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    except (DraftVocabError, RuntimeError, ValueError) as err:
-        raise ExportCheckError(f"{where}: the tensors do not load into a PEagleDrafter: {err}") from None
-    return drafter.eval()
 
 
 @torch.no_grad()

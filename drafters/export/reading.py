@@ -1,7 +1,8 @@
 """The reader toolkit every export format's independent reader shares (drafters.export.check for EAGLE-3,
 drafters.export.dflash / eagle1 / medusa for theirs): the check error and report, JSON and safetensors files read
 with errors that name the file, typed config fields, the Llama fields in their transformers 4.x and 5.x
-spellings with LlamaConfig's defaults, and a finite-weights check. It holds no writer's table or name mapping:
+spellings with LlamaConfig's defaults, a finite-weights check, and the drafter the tensors read back make (built
+through drafters.registry, as every loader builds it). It holds no writer's table or name mapping:
 a bug in a writer must not be able to hide itself in its reader.
 """
 
@@ -13,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from drafters.checkpoint import nonfinite
+from drafters.checkpoint import CheckpointError, nonfinite
+from drafters.draft_vocab import DraftVocabError
 from drafters.errors import UserError
 
 
@@ -180,3 +182,17 @@ def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
         raise ExportCheckError(f"{where}: non-finite weights (NaN or inf) in {', '.join(bad[:6])}"
                                + (", ..." if len(bad) > 6 else "") + "; the drafter diverged or was "
                                "saved corrupted: export an earlier checkpoint or retrain")
+
+
+def rebuild(config, state: dict, where, error=None):
+    """The drafter that tensors read back from an export make: the family's own constructor and a strict load
+    (drafters.registry.build_drafter, as checkpoints and proposers build it), in float32 and eval mode. Tensors
+    that do not fit the config read back -> `error` (the reader's ExportCheckError subclass) naming `where`."""
+    from drafters.registry import build_drafter, family_of
+
+    floats = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    try:
+        return build_drafter(family_of(config), config, floats, where).eval()
+    except (CheckpointError, DraftVocabError, ValueError) as err:
+        raise (error or ExportCheckError)(f"{where}: the tensors do not load into a {type(config).__name__} drafter: "
+                                          f"{str(err).removeprefix(f'{where}: ')}") from None
