@@ -33,7 +33,6 @@ from safetensors import safe_open
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.layers import DraftKVCache
 from drafters.export.reading import (
     READER_DTYPES,
     CheckReport,
@@ -46,9 +45,10 @@ from drafters.export.reading import (
     note_defaults,
     read_json,
     read_tensors,
-    rope_fields,
     rebuild,
+    rope_fields,
 )
+from drafters.layers import DraftKVCache
 
 
 def check_export(path, fmt: str, *, target: dict | None = None,

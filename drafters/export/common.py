@@ -27,6 +27,30 @@ class ExportError(UserError):
     pass
 
 
+SILENT_LOSS = "an engine would load it and lose acceptance silently"
+
+
+def refuse_export(source, fmt: str, problems: list[str], why: str | None = SILENT_LOSS) -> None:
+    """Every writer's last check before a byte is written: the problems found, as one ExportError naming the source
+    checkpoint and the format (nothing when there are none)."""
+    if problems:
+        raise ExportError(f"refusing to export {source} to {fmt}" + (f": {why}" if why else "") + ":\n  - "
+                          + "\n  - ".join(problems))
+
+
+def state_problems(config, state: dict) -> list[str]:
+    """[] when `state` loads strictly into the drafter `config` describes, built as every loader builds it
+    (drafters.registry.build_drafter, draft vocabulary included), else the one problem."""
+    from drafters.draft_vocab import DraftVocabError
+    from drafters.registry import build_drafter, family_of
+
+    try:
+        build_drafter(family_of(config), config, state, "the state dict")
+    except (CheckpointError, DraftVocabError) as err:
+        return [f"the state dict does not fit its config: {str(err).removeprefix('the state dict: ')}"]
+    return []
+
+
 def export_dtype(dtype: str) -> str:
     """'fp32' / 'float32' -> 'float32', 'bf16' / 'bfloat16' -> 'bfloat16' (drafters.dtypes): what an
     export's weights are cast to and its config's torch_dtype says."""

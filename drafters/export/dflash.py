@@ -45,10 +45,8 @@ import torch
 
 from drafters.checkpoint import Checkpoint
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
+from drafters.draft_vocab import DraftVocab
 from drafters.dspark import DSparkConfig, DSparkDrafter
-from drafters.draft_vocab import DraftVocab, DraftVocabError
-from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, get_field, int_list, read_json,
-                                     read_tensors, rebuild)
 from drafters.dtypes import DTYPES
 from drafters.export.common import (
     ExportError,
@@ -58,6 +56,18 @@ from drafters.export.common import (
     export_files,
     export_target,
     load_source,
+    refuse_export,
+    state_problems,
+)
+from drafters.export.reading import (
+    CheckReport,
+    ExportCheckError,
+    check_finite,
+    get_field,
+    int_list,
+    read_json,
+    read_tensors,
+    rebuild,
 )
 
 FORMATS = ("sglang", "vllm")
@@ -136,16 +146,7 @@ def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConf
                         "vllm")
     if fmt == "vllm" and not full and target is None:
         problems.append("a reduced-vocabulary vllm export carries the target's LM head rows: pass --target NAME")
-    try:
-        DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path), draft_vocab_size=c.draft_vocab_size,
-                                   target_vocab_size=c.vocab_size)
-        (DSparkDrafter if isinstance(c, DSparkConfig) else DFlashDrafter)(c).load_state_dict(ckpt.state_dict,
-                                                                                             strict=True)
-    except (DraftVocabError, RuntimeError) as err:
-        problems.append(f"the state dict does not fit its config: {err}")
-    if problems:
-        raise ExportError(f"refusing to export {ckpt.path} to {fmt}: an engine would load it and lose acceptance "
-                          "silently:\n  - " + "\n  - ".join(problems))
+    refuse_export(ckpt.path, fmt, problems + state_problems(c, ckpt.state_dict))
     return expected, c
 
 

@@ -36,14 +36,34 @@ from pathlib import Path
 import torch
 
 from drafters.checkpoint import Checkpoint
-from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.layers import DraftKVCache
 from drafters.dtypes import DTYPES
-from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
-                                    export_target, load_source)
-from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, config_dtype, get_field,
-                                     llama_default, note_defaults, read_json, read_tensors, rebuild,
-                                     rope_fields)
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.export.common import (
+    ExportError,
+    ExportResult,
+    check_out_dir,
+    export_dtype,
+    export_files,
+    export_target,
+    load_source,
+    refuse_export,
+    state_problems,
+)
+from drafters.export.reading import (
+    READER_DTYPES,
+    CheckReport,
+    ExportCheckError,
+    check_finite,
+    config_dtype,
+    get_field,
+    llama_default,
+    note_defaults,
+    read_json,
+    read_tensors,
+    rebuild,
+    rope_fields,
+)
+from drafters.layers import DraftKVCache
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -78,13 +98,7 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
         problems.append(f"feature {c.feature!r}: the official EAGLE code and SGLang feed the drafter the target's "
                         "final-normed hidden state and apply the LM head directly; retrain with eagle1.feature=normed "
                         "to export, or export --format native")
-    try:
-        Eagle1Drafter(c).load_state_dict(ckpt.state_dict, strict=True)
-    except RuntimeError as err:
-        problems.append(f"the state dict does not fit its config: {err}")
-    if problems:
-        raise ExportError(f"refusing to export {ckpt.path} to eagle1: an engine would load it and lose acceptance "
-                          "silently:\n  - " + "\n  - ".join(problems))
+    refuse_export(ckpt.path, "eagle1", problems + state_problems(c, ckpt.state_dict))
     return expected, c
 
 

@@ -34,9 +34,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from drafters.checkpoint import Checkpoint
-from drafters.draft_vocab import DraftVocab, DraftVocabError
-from drafters.eagle3 import NORM_OPTIONS, Eagle3Config, Eagle3Drafter
-from drafters.export.common import CONFIG_FILE, WEIGHTS_FILE, ExportError, export_target
+from drafters.eagle3 import NORM_OPTIONS, Eagle3Config
+from drafters.export.common import CONFIG_FILE, WEIGHTS_FILE, ExportError, export_target, refuse_export, state_problems
 
 ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
@@ -56,10 +55,7 @@ def preflight(ckpt: Checkpoint, fmt: str, target=None) -> dict:
         raise ExportError(f"{ckpt.path}: the checkpoint's target info lacks {missing}, so the "
                           "export cannot be checked against its target; pass --target NAME")
     config = _eagle3_config(ckpt)
-    problems = _target_problems(config, expected, fmt) + _weight_problems(ckpt, config)
-    if problems:
-        raise ExportError(f"refusing to export {ckpt.path} to {fmt}: an engine would load it and "
-                          "lose acceptance silently:\n  - " + "\n  - ".join(problems))
+    refuse_export(ckpt.path, fmt, _target_problems(config, expected, fmt) + _weight_problems(ckpt, config))
     return expected
 
 
@@ -103,19 +99,7 @@ def _weight_problems(ckpt: Checkpoint, c: Eagle3Config) -> list[str]:
     missing = [k for k in ("d2t", "t2d") if k not in state]
     if missing:
         return [f"no {' / '.join(missing)} tensor: engines would map draft id i to target id i"]
-    problems = []
-    try:
-        DraftVocab.from_state_dict(state, source=str(ckpt.path),
-                                   draft_vocab_size=c.draft_vocab_size,
-                                   target_vocab_size=c.vocab_size)
-    except DraftVocabError as err:
-        problems.append(str(err))
-    drafter = Eagle3Drafter(c)
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        problems.append(f"the state dict does not fit its config: {err}")
-    return problems
+    return state_problems(c, state)
 
 
 # ---- writers ----------------------------------------------------------------------------------

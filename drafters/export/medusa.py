@@ -33,8 +33,16 @@ import torch
 
 from drafters.checkpoint import Checkpoint, CheckpointError
 from drafters.dtypes import DTYPES
-from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files,
-                                    export_target, load_source)
+from drafters.export.common import (
+    ExportError,
+    ExportResult,
+    check_out_dir,
+    export_dtype,
+    export_files,
+    export_target,
+    load_source,
+    refuse_export,
+)
 from drafters.export.reading import ExportCheckError, check_finite, config_dtype, read_json, read_tensors, rebuild
 from drafters.medusa import MedusaConfig
 from drafters.registry import load_drafter
@@ -116,8 +124,7 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, MedusaConfig]:
     if config.share_lm_head and config.num_layers != 1:
         problems.append(f"share_lm_head with num_layers={config.num_layers}: no engine reads that (TGI's version-2 "
                         "loader asserts medusa_num_layers == 1); train with num_layers=1 or share_lm_head=false")
-    if problems:
-        raise ExportError(f"refusing to export {ckpt.path} to medusa:\n  - " + "\n  - ".join(problems))
+    refuse_export(ckpt.path, "medusa", problems, why=None)
     return expected, config
 
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from drafters.checkpoint import Checkpoint
-from drafters.draft_vocab import DraftVocab, DraftVocabError
 from drafters.dtypes import DTYPES
 from drafters.eagle3 import NORM_OPTIONS
 from drafters.export.common import (
@@ -35,6 +34,8 @@ from drafters.export.common import (
     export_files,
     export_target,
     load_source,
+    refuse_export,
+    state_problems,
 )
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS, llama_layer_fields
 from drafters.export.reading import (
@@ -45,8 +46,8 @@ from drafters.export.reading import (
     int_list,
     read_json,
     read_tensors,
-    rope_fields,
     rebuild,
+    rope_fields,
 )
 from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
@@ -119,15 +120,7 @@ def preflight(ckpt: Checkpoint, target) -> tuple[dict, PEagleConfig]:
                         f"[1, {num_layers - 1}] (engines capture the inputs of decoder layers 1..L-1)")
     if len(c.aux_layers) != ENGINE_AUX_LAYERS:
         problems.append(f"{len(c.aux_layers)} aux layers: vLLM builds fc for exactly {ENGINE_AUX_LAYERS}")
-    try:
-        DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path), draft_vocab_size=c.draft_vocab_size,
-                                   target_vocab_size=c.vocab_size)
-        PEagleDrafter(c).load_state_dict(ckpt.state_dict, strict=True)
-    except (DraftVocabError, RuntimeError) as err:
-        problems.append(f"the state dict does not fit its config: {err}")
-    if problems:
-        raise ExportError(f"refusing to export {ckpt.path} to vllm: an engine would load it and lose acceptance "
-                          "silently:\n  - " + "\n  - ".join(problems))
+    refuse_export(ckpt.path, "vllm", problems + state_problems(c, ckpt.state_dict))
     return expected, c
 
 
