@@ -33,21 +33,9 @@ from safetensors import safe_open
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.export.reading import (
-    READER_DTYPES,
-    CheckReport,
-    ExportCheckError,
-    check_finite,
-    config_dtype,
-    get_field,
-    int_list,
-    llama_default,
-    note_defaults,
-    read_json,
-    read_tensors,
-    rebuild,
-    rope_fields,
-)
+from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
+                                     config_dtype, get_field, int_list, llama_default, note_defaults, read_json,
+                                     read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 
 
@@ -339,15 +327,7 @@ def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path
                    stated_dtype: str | None) -> torch.dtype:
     check_finite(tensors, where)
     shapes = expected_shapes(g, num_aux, layer)
-    missing = sorted(set(shapes) - set(tensors))
-    unexpected = sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise ExportCheckError(f"{where}: tensor names do not match the format: missing "
-                               f"{missing}, unexpected {unexpected}")
-    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items()
-             if tuple(tensors[k].shape) != s]
-    if wrong:
-        raise ExportCheckError(f"{where}: wrong shapes, derived from the config: {wrong}")
+    check_layout(tensors, shapes, "EAGLE-3", where)
     if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
         raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got "
                                f"{tensors['d2t'].dtype} / {tensors['t2d'].dtype}")

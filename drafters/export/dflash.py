@@ -48,27 +48,10 @@ from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.dtypes import DTYPES
-from drafters.export.common import (
-    ExportError,
-    ExportResult,
-    check_out_dir,
-    export_dtype,
-    export_files,
-    export_target,
-    load_source,
-    refuse_export,
-    state_problems,
-)
-from drafters.export.reading import (
-    CheckReport,
-    ExportCheckError,
-    check_finite,
-    get_field,
-    int_list,
-    read_json,
-    read_tensors,
-    rebuild,
-)
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
+                                    load_source, refuse_export, state_problems)
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, get_field, int_list,
+                                     read_json, read_tensors, rebuild)
 
 FORMATS = ("sglang", "vllm")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -383,13 +366,7 @@ def dflash_shapes(c: DFlashConfig, fmt: str) -> dict[str, tuple[int, ...]]:
 def _check_dflash_tensors(tensors: dict, c: DFlashConfig, config_dtype, fmt: str, where: Path):
     check_finite(tensors, where)
     shapes = dflash_shapes(c, fmt)
-    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise ExportCheckError(f"{where}: tensor names do not match the {fmt} {type(c).__name__[:-6]} layout: missing {missing}, "
-                               f"unexpected {unexpected}")
-    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
-    if wrong:
-        raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
+    check_layout(tensors, shapes, f"{fmt} {type(c).__name__.removesuffix('Config')}", where)
     if "d2t" in tensors:
         if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
             raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got {tensors['d2t'].dtype} / "

@@ -32,16 +32,8 @@ import torch
 from drafters.checkpoint import save_checkpoint
 from drafters.dtypes import DTYPES
 from drafters.export.check import check_export  # the independent reader of sglang / vllm / native
-from drafters.export.common import (
-    ExportError,
-    ExportResult,
-    cast_floats,
-    check_out_dir,
-    export_dtype,
-    exported_files,
-    load_source,
-    write_staged,
-)
+from drafters.export.common import (ExportError, ExportResult, cast_floats, check_out_dir, export_dtype, exported_files,
+                                    load_source, write_staged)
 from drafters.export.dflash import export_dflash
 from drafters.export.eagle1 import export_eagle1
 from drafters.export.eagle3 import preflight, write_eagle3

@@ -38,31 +38,11 @@ import torch
 from drafters.checkpoint import Checkpoint
 from drafters.dtypes import DTYPES
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.export.common import (
-    ExportError,
-    ExportResult,
-    check_out_dir,
-    export_dtype,
-    export_files,
-    export_target,
-    load_source,
-    refuse_export,
-    state_problems,
-)
-from drafters.export.reading import (
-    READER_DTYPES,
-    CheckReport,
-    ExportCheckError,
-    check_finite,
-    config_dtype,
-    get_field,
-    llama_default,
-    note_defaults,
-    read_json,
-    read_tensors,
-    rebuild,
-    rope_fields,
-)
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
+                                    load_source, refuse_export, state_problems)
+from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
+                                     config_dtype, get_field, llama_default, note_defaults, read_json, read_tensors,
+                                     rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -225,13 +205,7 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
 
 def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path) -> torch.dtype:
     shapes = expected_shapes(g)
-    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise ExportCheckError(f"{where}: tensor names do not match the official EAGLE-1 layout: missing {missing}, "
-                               f"unexpected {unexpected}")
-    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
-    if wrong:
-        raise ExportCheckError(f"{where}: wrong shapes, derived from config.json: {wrong}")
+    check_layout(tensors, shapes, "official EAGLE-1", where)
     floats, wanted = {v.dtype for v in tensors.values()}, READER_DTYPES
     if len(floats) != 1 or not floats <= set(wanted.values()):
         raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16 (or all float16, as the EAGLE "

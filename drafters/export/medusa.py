@@ -33,16 +33,8 @@ import torch
 
 from drafters.checkpoint import Checkpoint, CheckpointError
 from drafters.dtypes import DTYPES
-from drafters.export.common import (
-    ExportError,
-    ExportResult,
-    check_out_dir,
-    export_dtype,
-    export_files,
-    export_target,
-    load_source,
-    refuse_export,
-)
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
+                                    load_source, refuse_export)
 from drafters.export.reading import ExportCheckError, check_finite, config_dtype, read_json, read_tensors, rebuild
 from drafters.medusa import MedusaConfig
 from drafters.registry import load_drafter

@@ -26,29 +26,11 @@ import torch
 from drafters.checkpoint import Checkpoint
 from drafters.dtypes import DTYPES
 from drafters.eagle3 import NORM_OPTIONS
-from drafters.export.common import (
-    ExportError,
-    ExportResult,
-    check_out_dir,
-    export_dtype,
-    export_files,
-    export_target,
-    load_source,
-    refuse_export,
-    state_problems,
-)
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
+                                    load_source, refuse_export, state_problems)
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS, llama_layer_fields
-from drafters.export.reading import (
-    CheckReport,
-    ExportCheckError,
-    check_finite,
-    get_field,
-    int_list,
-    read_json,
-    read_tensors,
-    rebuild,
-    rope_fields,
-)
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, get_field, int_list,
+                                     read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
 
@@ -180,13 +162,7 @@ def read_peagle_export(path, *, target: dict | None = None):
     tensors = read_tensors(path / WEIGHTS_FILE)
     check_finite(tensors, path / WEIGHTS_FILE)
     shapes = _shapes(c)
-    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise ExportCheckError(f"{path / WEIGHTS_FILE}: tensor names do not match the peagle layout: missing "
-                               f"{missing}, unexpected {unexpected}")
-    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
-    if wrong:
-        raise ExportCheckError(f"{path / WEIGHTS_FILE}: wrong shapes, derived from config.json: {wrong}")
+    check_layout(tensors, shapes, "peagle", path / WEIGHTS_FILE)
     floats = {v.dtype for k, v in tensors.items() if v.is_floating_point()}
     if len(floats) != 1:
         raise ExportCheckError(f"{path / WEIGHTS_FILE}: mixed float dtypes {sorted(map(str, floats))}")

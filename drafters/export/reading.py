@@ -184,6 +184,19 @@ def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
                                "saved corrupted: export an earlier checkpoint or retrain")
 
 
+def check_layout(tensors: dict, shapes: dict[str, tuple], layout: str, where, error=None) -> None:
+    """The tensor names are exactly `shapes`' keys and each has its shape (derived from the config read back);
+    else `error` naming the file, the layout, and what is missing, unexpected or misshapen."""
+    error = error or ExportCheckError
+    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise error(f"{where}: tensor names do not match the {layout} layout: missing {missing}, unexpected "
+                    f"{unexpected}")
+    wrong = [f"{k} {tuple(tensors[k].shape)} (want {s})" for k, s in shapes.items() if tuple(tensors[k].shape) != s]
+    if wrong:
+        raise error(f"{where}: wrong shapes, derived from the config: {wrong}")
+
+
 def rebuild(config, state: dict, where, error=None):
     """The drafter that tensors read back from an export make: the family's own constructor and a strict load
     (drafters.registry.build_drafter, as checkpoints and proposers build it), in float32 and eval mode. Tensors
