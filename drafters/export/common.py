@@ -51,6 +51,24 @@ def state_problems(config, state: dict) -> list[str]:
     return []
 
 
+def decoder_fields(c, model_type: str, num_layers: int, dtype: str) -> dict:
+    """A drafter's decoder layers as the Hugging Face config fields every layout writes (Llama's for EAGLE-1 and
+    EAGLE-3, Qwen3's for DFlash); each format adds its own keys. c: the drafter config; vocab_size and
+    max_position_embeddings are the target's (embedding, t2d size, rope range). rope_theta / rope_scaling are the
+    legacy keys: transformers 4.x (what the engines pin) reads them and 5.x converts them. dtype: a drafters.dtypes
+    name (float32 | bfloat16), written as torch_dtype."""
+    return {
+        "model_type": model_type,
+        "num_hidden_layers": num_layers,
+        **{key: getattr(c, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim", "hidden_act", "vocab_size",
+                                            "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling")},
+        "attention_bias": False,
+        "tie_word_embeddings": False,  # True makes SGLang use the embedding as lm_head
+        "torch_dtype": dtype,
+    }
+
+
 def export_dtype(dtype: str) -> str:
     """'fp32' / 'float32' -> 'float32', 'bf16' / 'bfloat16' -> 'bfloat16' (drafters.dtypes): what an
     export's weights are cast to and its config's torch_dtype says."""

@@ -48,8 +48,8 @@ from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import DraftVocab
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.dtypes import DTYPES
-from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
-                                    load_source, refuse_export, state_problems)
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
+                                    export_files, export_target, load_source, refuse_export, state_problems)
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, get_field, int_list,
                                      read_json, read_tensors, rebuild)
 
@@ -136,24 +136,9 @@ def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConf
 def qwen3_layer_fields(c: DFlashConfig, dtype: str) -> dict:
     """The drafter's layers as Qwen3Config fields (per-head q/k norms: Qwen3's attention)."""
     return {
-        "model_type": "qwen3",
-        "num_hidden_layers": c.num_hidden_layers,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "vocab_size": c.vocab_size,  # the target's: embedding and head are the target's
-        "max_position_embeddings": c.max_position_embeddings,  # the target's
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "attention_bias": False,
+        **decoder_fields(c, "qwen3", c.num_hidden_layers, dtype),
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * c.num_hidden_layers,  # DFlash: full = bidirectional in the block
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,  # a drafters.dtypes name: float32 | bfloat16
     }
 
 

@@ -38,8 +38,8 @@ import torch
 from drafters.checkpoint import Checkpoint
 from drafters.dtypes import DTYPES
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
-                                    load_source, refuse_export, state_problems)
+from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
+                                    export_files, export_target, load_source, refuse_export, state_problems)
 from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
                                      config_dtype, get_field, llama_default, note_defaults, read_json, read_tensors,
                                      rebuild, rope_fields)
@@ -85,24 +85,9 @@ def preflight(ckpt: Checkpoint, target=None) -> tuple[dict, Eagle1Config]:
 def official_config(c: Eagle1Config, dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "vocab_size": c.vocab_size,  # the target's (shared embedding and LM head)
-        "max_position_embeddings": c.max_position_embeddings,  # the target's
+        **decoder_fields(c, "llama", 1, dtype),
         "bias": True,  # fc has a bias (official EAGLE-1 `Model(config, bias=True)`)
-        "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
     }
 
 

@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 
 from drafters.checkpoint import Checkpoint
 from drafters.eagle3 import NORM_OPTIONS, Eagle3Config
-from drafters.export.common import CONFIG_FILE, WEIGHTS_FILE, ExportError, export_target, refuse_export, state_problems
+from drafters.export.common import (CONFIG_FILE, WEIGHTS_FILE, ExportError, decoder_fields, export_target,
+                                    refuse_export, state_problems)
 
 ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
@@ -128,28 +129,8 @@ def _vllm_name(key: str) -> str:
 
 
 def llama_layer_fields(c: Eagle3Config, dtype: str) -> dict:
-    """The one decoder layer as Llama config fields. rope_theta / rope_scaling are the legacy
-    keys: transformers 4.x (what the engines pin) reads them and 5.x converts them. dtype: a
-    drafters.dtypes name (float32 | bfloat16), written as torch_dtype."""
-    return {
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "vocab_size": c.vocab_size,  # the target's: embedding and t2d size
-        "max_position_embeddings": c.max_position_embeddings,  # the target's
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,  # True makes SGLang use the embedding as lm_head
-        "torch_dtype": dtype,
-    }
+    """The one decoder layer as Llama config fields."""
+    return {**decoder_fields(c, "llama", 1, dtype), "mlp_bias": False}
 
 
 def sglang_config(c: Eagle3Config, dtype: str) -> dict:
