@@ -34,8 +34,8 @@ from safetensors import safe_open
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
-                                     config_dtype, get_field, int_list, llama_default, note_defaults, read_json,
-                                     read_tensors, rebuild, rope_fields)
+                                     compare_with_source, config_dtype, get_field, int_list, llama_default,
+                                     note_defaults, read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 
 
@@ -417,26 +417,8 @@ def _compare(config: Eagle3Config, state: dict, reference: Checkpoint | None, wh
     rebuilt = rebuild(config, state, where)
     if reference is None:
         return None, None
-    source_config = Eagle3Config(**reference.config)
-    if source_config != config:
-        diff = {f.name: (getattr(source_config, f.name), getattr(config, f.name))
-                for f in fields(Eagle3Config)
-                if getattr(source_config, f.name) != getattr(config, f.name)}
-        raise ExportCheckError(f"{where}: the config read back differs from the source "
-                               f"checkpoint's (source, export): {diff}")
-    rounded = {k: v.to(dtype) if v.is_floating_point() else v
-               for k, v in reference.state_dict.items()}
-    for key in ("d2t", "t2d"):
-        if not torch.equal(state[key], reference.state_dict[key]):
-            raise ExportCheckError(f"{where}: {key} differs from the source checkpoint")
-    got = _draft_logits(rebuilt, config, seed)
-    want = _draft_logits(rebuild(config, rounded, where), config, seed)
-    source = _draft_logits(rebuild(config, reference.state_dict, where), config, seed)
-    diff = max((g - w).abs().max().item() for g, w in zip(got, want))
-    if not diff <= 1e-5:  # NaN fails too
-        raise ExportCheckError(f"{where}: the drafter rebuilt from the export gives draft logits "
-                               f"up to {diff:.3g} away from the source checkpoint's (atol 1e-5)")
-    return diff, max((g - s).abs().max().item() for g, s in zip(got, source))
+    return compare_with_source(rebuilt, config, state, reference, dtype, where,
+                               lambda d: _draft_logits(d, config, seed))
 
 
 

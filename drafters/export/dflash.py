@@ -38,7 +38,7 @@ its draft logits with the source checkpoint's (the same stand-in head on both: t
 target's) before the directory is renamed into place.
 """
 
-from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,8 +50,8 @@ from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
                                     export_files, export_target, load_source, refuse_export, state_problems)
-from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, get_field, int_list,
-                                     read_json, read_tensors, rebuild)
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
+                                     get_field, int_list, read_json, read_tensors, rebuild)
 
 FORMATS = ("sglang", "vllm")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -385,22 +385,7 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
         if not torch.equal(head, want):
             raise ExportCheckError(f"{path}: lm_head.weight is not the target's LM head rows of the draft vocabulary")
     if reference is not None:
-        source = type(c)(**reference.config)
-        if asdict(source) != asdict(c):
-            wrong = {k: (v, getattr(c, k)) for k, v in asdict(source).items() if getattr(c, k) != v}
-            raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
-        for key in ("d2t", "t2d"):
-            if not torch.equal(state[key], reference.state_dict[key]):
-                raise ExportCheckError(f"{path}: {key} differs from the source checkpoint's draft vocabulary")
-        rounded = {k: v.to(dtype) if v.is_floating_point() else v for k, v in reference.state_dict.items()}
-        got = _draft_logits(rebuilt, seed)
-        want = _draft_logits(rebuild(c, rounded, path), seed)
-        unrounded = _draft_logits(rebuild(c, reference.state_dict, path), seed)
-        diff = (got - want).abs().max().item()
-        if not diff <= 1e-5:  # NaN fails too
-            raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives draft logits up to {diff:.3g} "
-                                   "away from the source checkpoint's (atol 1e-5)")
-        diffs = (diff, (got - unrounded).abs().max().item())
+        diffs = compare_with_source(rebuilt, c, state, reference, dtype, path, partial(_draft_logits, seed=seed))
     return CheckReport(path, fmt, "dspark" if isinstance(c, DSparkConfig) else "dflash", c.aux_layers, written, str(dtype), len(state), *diffs)
 
 

@@ -30,7 +30,6 @@ and LlamaConfig apply (bias true, head_dim, num_key_value_heads, rope_theta 1000
 float16 weights.
 """
 
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,8 +40,8 @@ from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
                                     export_files, export_target, load_source, refuse_export, state_problems)
 from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
-                                     config_dtype, get_field, llama_default, note_defaults, read_json, read_tensors,
-                                     rebuild, rope_fields)
+                                     compare_with_source, config_dtype, get_field, llama_default, note_defaults,
+                                     read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -172,19 +171,8 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
     rebuilt = rebuild(c, state, path)
     diffs = (None, None)
     if reference is not None:
-        source_config = Eagle1Config(**reference.config)
-        if asdict(source_config) != asdict(c):
-            wrong = {k: (v, getattr(c, k)) for k, v in asdict(source_config).items() if getattr(c, k) != v}
-            raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
-        rounded = {k: v.to(dtype) for k, v in reference.state_dict.items()}
-        got = _outputs(rebuilt, c, seed)
-        want = _outputs(rebuild(c, rounded, path), c, seed)
-        source = _outputs(rebuild(c, reference.state_dict, path), c, seed)
-        diff = max((a - b).abs().max().item() for a, b in zip(got, want))
-        if not diff <= 1e-5:  # NaN fails too
-            raise ExportCheckError(f"{path}: the drafter rebuilt from the export gives outputs up to {diff:.3g} away "
-                                   "from the source checkpoint's (atol 1e-5)")
-        diffs = (diff, max((a - b).abs().max().item() for a, b in zip(got, source)))
+        diffs = compare_with_source(rebuilt, c, state, reference, dtype, path, lambda d: _outputs(d, c, seed),
+                                    what="features and logits")
     return CheckReport(path, "eagle1", "eagle1", None, None, str(dtype), len(state), *diffs)
 
 

@@ -18,7 +18,7 @@ alone, shares no table with the writer, rebuilds a PEagleDrafter and compares it
 the source checkpoint's (a random stand-in embedding on both sides) before the directory is renamed into place.
 """
 
-from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,8 +29,8 @@ from drafters.eagle3 import NORM_OPTIONS
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
                                     load_source, refuse_export, state_problems)
 from drafters.export.eagle3 import ENGINE_AUX_LAYERS, llama_layer_fields
-from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, get_field, int_list,
-                                     read_json, read_tensors, rebuild, rope_fields)
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
+                                     get_field, int_list, read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
 
@@ -203,17 +203,7 @@ def check_peagle_export(path, *, target: dict | None = None, reference: Checkpoi
     rebuilt = rebuild(c, state, path)
     diffs = (None, None)
     if reference is not None:
-        source = PEagleConfig(**reference.config)
-        if asdict(source) != asdict(c):
-            wrong = {k: (v, getattr(c, k)) for k, v in asdict(source).items() if getattr(c, k) != v}
-            raise ExportCheckError(f"{path}: the config read back differs from the source's (source, export): {wrong}")
-        rounded = {k: v.to(dtype) if v.is_floating_point() else v for k, v in reference.state_dict.items()}
-        got = _draft_logits(rebuilt, seed)
-        diff = (got - _draft_logits(rebuild(c, rounded, path), seed)).abs().max().item()
-        if not diff <= 1e-5:
-            raise ExportCheckError(f"{path}: the drafter rebuilt from the export drafts logits up to {diff:.3g} away "
-                                   "from the source checkpoint's (atol 1e-5)")
-        diffs = (diff, (got - _draft_logits(rebuild(c, reference.state_dict, path), seed)).abs().max().item())
+        diffs = compare_with_source(rebuilt, c, state, reference, dtype, path, partial(_draft_logits, seed=seed))
     return CheckReport(path, "vllm", "peagle", c.aux_layers, c.aux_layers, str(dtype), len(state) + 1, *diffs)
 
 

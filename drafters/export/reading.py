@@ -7,7 +7,7 @@ a bug in a writer must not be able to hide itself in its reader.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -209,3 +209,32 @@ def rebuild(config, state: dict, where, error=None):
     except (CheckpointError, DraftVocabError, ValueError) as err:
         raise (error or ExportCheckError)(f"{where}: the tensors do not load into a {type(config).__name__} drafter: "
                                           f"{str(err).removeprefix(f'{where}: ')}") from None
+
+
+def compare_with_source(rebuilt, config, state: dict, reference, dtype: torch.dtype, where, outputs,
+                        what: str = "draft logits", error=None) -> tuple[float, float]:
+    """The export read back against the checkpoint it was written from (`reference`, a drafters.checkpoint
+    Checkpoint): the same config, the same draft vocabulary (d2t, t2d where the state holds them), and `outputs`
+    (drafter -> a tensor or a list of them, on fixed random inputs; `what` they are, for the error) of the rebuilt drafter within 1e-5 of the
+    source's with its weights rounded to the export's float dtype. -> (max |diff| against the rounded source,
+    against the unrounded one: what the dtype's rounding costs)."""
+    error = error or ExportCheckError
+    source = type(config)(**reference.config)
+    if asdict(source) != asdict(config):
+        wrong = {k: (v, getattr(config, k)) for k, v in asdict(source).items() if getattr(config, k) != v}
+        raise error(f"{where}: the config read back differs from the source's (source, export): {wrong}")
+    for key in ("d2t", "t2d"):
+        if key in state and not torch.equal(state[key], reference.state_dict[key]):
+            raise error(f"{where}: {key} differs from the source checkpoint's draft vocabulary")
+    rounded = {k: v.to(dtype) if v.is_floating_point() else v for k, v in reference.state_dict.items()}
+    got, want, unrounded = (_as_list(outputs(drafter)) for drafter in (
+        rebuilt, rebuild(config, rounded, where, error), rebuild(config, reference.state_dict, where, error)))
+    diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+    if not diff <= 1e-5:  # NaN fails too
+        raise error(f"{where}: the drafter rebuilt from the export gives {what} up to {diff:.3g} away from the "
+                    "source checkpoint's (atol 1e-5)")
+    return diff, max((a - b).abs().max().item() for a, b in zip(got, unrounded))
+
+
+def _as_list(outputs) -> list:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
