@@ -25,6 +25,31 @@ def load_script(relative_path: str):
     return module
 
 
+def untied_llama():
+    """The tiny random Llama with an untied head: varied greedy continuations (see build_tiny_target), so drafts
+    can be right or wrong."""
+    from drafters.targets import Target
+
+    return Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
+
+
+def greedy_reference(model, prompts, max_new_tokens):
+    """Plain greedy `generate` on (B, T) prompts -> (B, T + n): what speculative decoding must reproduce."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return model.generate(prompts, generation_config=config)
+
+
+def target_features(model, ids, layers):
+    """One target forward on (T,) ids -> drafters.targets.TargetFeatures at `layers`, the last hidden state, logits."""
+    from drafters.targets import TargetFeatures
+
+    with torch.no_grad():
+        out = model(ids[None], output_hidden_states=True)
+    return TargetFeatures({i: out.hidden_states[i] for i in layers}, out.hidden_states[-1], None, out.logits)
+
+
 # Test tiers: `pytest -m "not slow"` is the inner loop (under two minutes on one core); CI runs everything.
 # Slow = marked `slow` by hand (subprocesses, training runs end to end, distribution checks with many samples), or
 # needing a real target, llama.cpp or the consumers' venv, or a module whose every test starts processes.

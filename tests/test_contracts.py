@@ -26,7 +26,6 @@ from drafters.decode.tree import parse_tree_spec
 from drafters.export.dispatch import EXPORT_FORMATS, export_checkpoint
 from drafters.registry import FAMILIES
 from drafters.targets import load_target
-from drafters.training.families import TRAINING_FAMILIES
 
 TREES = ["chain:3", "static:[[0],[1],[0,0]]"]
 NEW = 12

@@ -14,8 +14,8 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 from test_sampling import first_two_tokens_pvalue  # tests/ is on sys.path under pytest
-from transformers import GenerationConfig
 
+from conftest import greedy_reference, target_features, untied_llama  # tests/ is on sys.path under pytest
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
@@ -26,8 +26,7 @@ from drafters.decode.tree import parse_tree_spec
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import fuse_features
-from drafters.targets import Target, TargetFeatures
-from drafters.tiny import build_tiny_target
+from drafters.targets import Target
 from drafters.training.dflash import block_loss
 
 VOCAB, PROMPT, NEW, BLOCK = 259, 12, 30, 6
@@ -35,19 +34,7 @@ TREES = ["chain:5", "static:eagle1", "dynamic:total=12,depth=4,topk=4"]  # stati
 GREEDY = SamplingConfig()
 
 
-def untied_llama():
-    return Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
 
-
-def greedy_reference(model, prompts, max_new_tokens):
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return model.generate(prompts, generation_config=config)  # (B, T + n)
-
-
-def target_features(model, ids, layers) -> TargetFeatures:
-    with torch.no_grad():
-        out = model(ids[None], output_hidden_states=True)
-    return TargetFeatures({i: out.hidden_states[i] for i in layers}, out.hidden_states[-1], None, out.logits)
 
 
 def train_drafter(target, sequences, steps=120) -> DFlashDrafter:

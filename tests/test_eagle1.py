@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GenerationConfig
 
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
@@ -29,7 +28,7 @@ from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import Target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
-from conftest import train_tiny  # tests/ is on sys.path under pytest
+from conftest import greedy_reference, train_tiny, untied_llama  # tests/ is on sys.path under pytest
 from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.training.eagle1 import chain_loss
@@ -50,14 +49,6 @@ GOLDEN_LOSSES = [1.0037007331848145, 0.9647460579872131, 0.9353283047676086,
                  0.9006495475769043, 0.895370602607727, 0.8685475587844849]
 
 
-def untied_llama():
-    # varied greedy continuations (see build_tiny_target), so drafts can be right or wrong
-    return Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
-
-
-def greedy(model, prompts, max_new_tokens):
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return model.generate(prompts, generation_config=config)  # (B, T + n)
 
 
 def feature_of(target, ids, feature):
@@ -82,7 +73,7 @@ def hand_made():
     # repeats a token twice in a row, so an off-by-one in either direction changes the predicted token.
     target = untied_llama()
     prompt = target.tokenizer("Q: colour? A:", return_tensors="pt").input_ids  # (1, P)
-    ids = greedy(target.model, prompt, 10)  # (1, P + 10)
+    ids = greedy_reference(target.model, prompt, 10)  # (1, P + 10)
     reply = ids[0, prompt.shape[1]:].tolist()
     assert all(a != b for a, b in pairwise(reply))
     loss_mask = torch.zeros_like(ids)
@@ -262,7 +253,7 @@ def train_drafter(target, sequences, feature, steps=150):
 def trained(request, tmp_path_factory):
     target = untied_llama()
     prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
-    references = greedy(target.model, prompts, 40)  # (6, PROMPT + 40)
+    references = greedy_reference(target.model, prompts, 40)  # (6, PROMPT + 40)
     drafter = train_drafter(target, references, request.param)
     path = tmp_path_factory.mktemp("eagle1") / request.param
     save_checkpoint(path, family="eagle1", config=asdict(drafter.config), target=target_info(target),

@@ -10,8 +10,8 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
+from conftest import greedy_reference, target_features, untied_llama  # tests/ is on sys.path under pytest
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.draft_vocab import build_draft_vocab
@@ -20,8 +20,7 @@ from drafters.layers import DraftKVCache
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.eagle import load_eagle_proposer
 from drafters.decode.sampling import SamplingConfig
-from drafters.targets import Target, TargetFeatures
-from drafters.tiny import build_tiny_target
+from drafters.targets import Target
 from drafters.training.eagle3 import ttt_loss
 
 VOCAB, PROMPT, NEW = 259, 12, 30
@@ -29,20 +28,7 @@ TREES = ["chain:4", "static:eagle1", "dynamic:total=12,depth=4,topk=4"]
 GREEDY = SamplingConfig()
 
 
-def untied_llama():
-    # varied greedy continuations, so drafts can be right or wrong (see build_tiny_target)
-    return Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
 
-
-def greedy_reference(model, prompts, max_new_tokens):
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return model.generate(prompts, generation_config=config)  # (B, T + n)
-
-
-def target_features(model, ids, layers) -> TargetFeatures:
-    with torch.no_grad():
-        out = model(ids[None], output_hidden_states=True)
-    return TargetFeatures({i: out.hidden_states[i] for i in layers}, out.hidden_states[-1], None, out.logits)
 
 
 def train_drafter(target, sequences, steps=100) -> Eagle3Drafter:

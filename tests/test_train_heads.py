@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script  # tests/ is on sys.path under pytest
-from transformers import GenerationConfig
+from conftest import greedy_reference, load_script, untied_llama  # tests/ is on sys.path under pytest
 
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from drafters.decode.decoder import speculative_generate
@@ -23,7 +22,7 @@ from drafters.registry import load_drafter
 from drafters.decode.proposers.loading import load_proposer
 from drafters.training.recipe import RecipeError
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.targets import Target, TargetFeatures, load_target
+from drafters.targets import TargetFeatures, load_target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
 
@@ -137,14 +136,6 @@ def test_held_out_calibration(run):
 # ---------------------------------------------------------------- decoding with trained heads
 
 
-def untied_llama() -> Target:
-    # varied greedy continuations, so drafts can be right or wrong (see build_tiny_target)
-    return Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
-
-
-def greedy_reference(model, prompts, max_new_tokens):
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return model.generate(prompts, generation_config=config)
 
 
 @pytest.mark.parametrize("tree", [None, "chain:3", "dynamic:total=8,depth=3,topk=3"])
