@@ -87,6 +87,11 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
     # is what llama.cpp's DFlash converter needs (no d2t mapping there)
     "dflash-b4": ("(g) DFlash, block 4 (3 drafts a pass), full vocab, lr 1e-3", [*FAST, "dflash.block_size=4"],
                   "recipes/dflash_smollm2.yaml"),
+    # (i) issue 35, drafter size: DFlash (the family with a layer count) at 1, 2 and 4 decoder layers, blocks of 4,
+    # the combo's batches; one epoch of the budget each
+    **{f"dflash-l{n}": (f"(i) DFlash, {n} decoder layer{'s' if n > 1 else ''}, block 4, batch 2 x 1, lr 1e-3",
+                        [*FAST, "dflash.block_size=4", f"dflash.num_layers={n}", "batch_size=2", "grad_accum=1"],
+                        "recipes/dflash_smollm2.yaml") for n in (1, 2, 4)},
 }
 
 
