@@ -48,7 +48,7 @@ from drafters.dspark import DSparkConfig, DSparkDrafter, block_prev_ids
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features, shift_left
 from drafters.layers import DraftKVCache
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.check import read_eagle3_export
+from drafters.export.eagle3_reader import read_eagle3_export
 from drafters.export.dflash import read_dflash_export
 from drafters.export.peagle import read_peagle_export
 from drafters.peagle import PEagleConfig, PEagleDrafter, sample_chains

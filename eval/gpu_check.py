@@ -44,7 +44,7 @@ from drafters.decode.referee import parting  # noqa: E402
 from drafters.decode.tree import parse_tree_spec  # noqa: E402
 from drafters.registry import FAMILIES  # noqa: E402
 from drafters.targets import load_target  # noqa: E402
-from drafters.training.families import TRAINING_FAMILIES, load_recipe, train  # noqa: E402
+from drafters.training.families import load_recipe, train  # noqa: E402
 from drafters.training.scale import (  # noqa: E402
     SHAPES,
     StepResult,

@@ -98,7 +98,7 @@ def test_each_shipped_engine_on_two_processes_equals_one_resumes_and_exports(eng
 
     # the checkpoint exports and the export reads back as the same drafter
     from drafters.checkpoint import load_checkpoint
-    from drafters.export.check import check_export
+    from drafters.export.eagle3_reader import check_export
     from drafters.export.dispatch import export_checkpoint
 
     out = export_checkpoint(run / "checkpoint-final", "vllm", tmp_path / "export").path

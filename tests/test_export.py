@@ -11,7 +11,7 @@ from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.check import check_export
+from drafters.export.eagle3_reader import check_export
 from drafters.export.reading import ExportCheckError
 from drafters.decode.sampling import SamplingConfig
 from drafters.targets import load_target

@@ -14,7 +14,7 @@ from test_medusa import medusa_checkpoint
 from drafters.checkpoint import load_checkpoint, target_info
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.tree import DynamicSpec, parse_tree_spec
-from drafters.export.check import check_export
+from drafters.export.eagle3_reader import check_export
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.medusa import read_medusa_export

@@ -30,7 +30,7 @@ from drafters.eagle1 import Eagle1Config, Eagle1Drafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.export.common import MARKER
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.check import check_export
+from drafters.export.eagle3_reader import check_export
 from drafters.export.reading import ExportCheckError, config_dtype, rope_fields
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.decode.proposers.loading import load_proposer

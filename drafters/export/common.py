@@ -85,7 +85,7 @@ class ExportResult:
     dtype: str
     files: list[str]
     config: dict  # what was written to the config file
-    check: object = None  # drafters.export.check.CheckReport
+    check: object = None  # drafters.export.eagle3_reader.CheckReport
 
 
 def export_target(ckpt: Checkpoint, target=None) -> dict:

@@ -31,7 +31,7 @@ import torch
 
 from drafters.checkpoint import save_checkpoint
 from drafters.dtypes import DTYPES
-from drafters.export.check import check_export  # the independent reader of sglang / vllm / native
+from drafters.export.eagle3_reader import check_export  # the independent reader of sglang / vllm / native
 from drafters.export.common import (ExportError, ExportResult, cast_floats, check_out_dir, export_dtype, exported_files,
                                     load_source, write_staged)
 from drafters.export.dflash import export_dflash
@@ -73,7 +73,7 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
 
 def _eagle3_layout(ckpt_dir, fmt, out_dir, *, target, dtype, speculative_tokens, verifier, overwrite):
     """EAGLE-3's sglang / vllm layouts, and the native copy of any family: written, read back by the independent
-    reader (drafters.export.check), renamed into place."""
+    reader (drafters.export.eagle3_reader), renamed into place."""
     speculative_tokens = 3 if speculative_tokens is None else speculative_tokens
     canonical = export_dtype(dtype)  # float32 | bfloat16
     if speculative_tokens < 1:
@@ -110,7 +110,7 @@ def _llama_cpp(ckpt_dir, fmt, out_dir, *, target, dtype, overwrite, **_):
 
 
 # The export layer's one table: (family, format) -> its writer, each of which reads its files back with the
-# family's independent reader before they land (EAGLE-3 and native: drafters.export.check; DFlash and DSpark:
+# family's independent reader before they land (EAGLE-3 and native: drafters.export.eagle3_reader; DFlash and DSpark:
 # drafters.export.dflash; P-EAGLE: drafters.export.peagle; Medusa: drafters.export.medusa; EAGLE-1:
 # drafters.export.eagle1; llama.cpp: drafters.export.llama_cpp). Every family exports `native`.
 EXPORTERS = {

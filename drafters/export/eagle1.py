@@ -101,7 +101,7 @@ def read_eagle1_export(path, *, target: dict | None = None,
                        notes: list[str] | None = None) -> tuple[Eagle1Config, dict, torch.dtype]:
     """Reads and validates an official-layout EAGLE-1 export -> (Eagle1Config with feature "normed", the
     official layout's meaning; state dict in Eagle1Drafter names; float dtype). Either transformers
-    spelling of the Llama fields is read (drafters.export.check.rope_fields, config_dtype); fields the
+    spelling of the Llama fields is read (drafters.export.eagle3_reader.rope_fields, config_dtype); fields the
     EAGLE repository's configs leave out take the defaults its loader and LlamaConfig apply, one line
     about them appended to `notes`."""
     path = Path(path)

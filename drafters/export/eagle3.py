@@ -1,6 +1,6 @@
 """EAGLE-3 exports: the sglang and vllm (speculators) layouts, and the refusals that keep an engine
 from loading a drafter it would run with collapsed acceptance. The independent reader is
-drafters.export.check.
+drafters.export.eagle3_reader.
 
     sglang  SGLang / official EAGLE-3 / SpecForge: config.json (LlamaForCausalLMEagle3) +
             model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d

@@ -1,4 +1,4 @@
-"""The reader toolkit every export format's independent reader shares (drafters.export.check for EAGLE-3,
+"""The reader toolkit every export format's independent reader shares (drafters.export.eagle3_reader for EAGLE-3,
 drafters.export.dflash / eagle1 / medusa for theirs): the check error and report, JSON and safetensors files read
 with errors that name the file, typed config fields, the Llama fields in their transformers 4.x and 5.x
 spellings with LlamaConfig's defaults, a finite-weights check, and the drafter the tensors read back make (built

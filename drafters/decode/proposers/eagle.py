@@ -175,7 +175,7 @@ def eagle3_export_loader(fmt: str):
     come back as HF indices. A config without layer ids drafts from the engine's default layers, or
     from `aux_layers` (HF indices); `proposer.notes` says which (the lines the caller prints)."""
     from drafters.checkpoint import target_info
-    from drafters.export.check import export_embedding, read_eagle3_export
+    from drafters.export.eagle3_reader import export_embedding, read_eagle3_export
 
     def load(path, config: dict, target, tree_spec, *, aux_layers: list[int] | None = None) -> EagleProposer:
         notes = []
