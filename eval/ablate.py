@@ -153,20 +153,33 @@ def measure(name: str, args) -> dict:
         bench = mt_bench_command(name, args)
         run(bench, out.parent / f"{name}-mt_bench.log", args.threads)
         report = json.loads((out / f"mt_bench-chain{args.chain}.json").read_text())
-        entry.update({"mt_bench_command": shlex.join(bench), f"mt_bench_tau_chain{args.chain}": report["tau"]})
+        entry.update({"mt_bench_command": shlex.join(bench), f"mt_bench_tau_chain{args.chain}": report["tau"],
+                      **mt_bench_details(report)})
     return entry
+
+
+def mt_bench_details(report: dict) -> dict:
+    """From an eval/tau.py report: acceptance per chain depth (d1 = the first draft accepted), rounds, tau per turn."""
+    turns = {}
+    for row in report["per_prompt"]:
+        turns.setdefault(row["turn"], []).append(row)
+    tau_by_turn = {str(t): sum(r["tau"] * r["rounds"] for r in rows) / sum(r["rounds"] for r in rows)
+                   for t, rows in sorted(turns.items())}  # each prompt's tau weighted by its rounds, as the total
+    return {"mt_bench_acceptance": report["per_depth_acceptance"], "mt_bench_rounds": report["rounds"],
+            "mt_bench_tau_by_turn": tau_by_turn}
 
 
 def table(entries: list[dict], chain: int) -> str:
     key = f"mt_bench_tau_chain{chain}"
     lines = ["| setting | what | steps | train tokens | CPU s | tok/s | acc_1 | tau_pred@3 | tau_pred@7 | "
-             f"MT-bench chain-{chain} tau |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"MT-bench chain-{chain} tau | MT-bench acceptance d1 d2 d3 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         bench = f"{e[key]:.3f}" if key in e else "not run"
+        depth = " ".join(f"{a:.3f}" for a in e["mt_bench_acceptance"]) if "mt_bench_acceptance" in e else "-"
         lines.append(f"| {e['setting']} | {e['what']} | {e['steps']} | {e['train_tokens']} | {e['cpu_s']:.0f} | "
                      f"{e['tokens_per_s']:.0f} | {e['acc_1']:.3f} | {e['tau_pred@3']:.3f} | "
                      f"{'n/a' if e['tau_pred@7'] is None else format(e['tau_pred@7'], '.3f')} | "
-                     f"{bench} |")
+                     f"{bench} | {depth} |")
     lines.append("")
     lines += [f"- {e['setting']}: `{e['command']}`" for e in entries]
     return "\n".join(lines) + "\n"
