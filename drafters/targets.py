@@ -103,6 +103,23 @@ class PreNormCapture:
             self.handle = None
 
 
+def with_cache(model: PreTrainedModel, cache) -> dict:
+    """The forward keyword that passes a KV cache to `model`: `cache` where its forward names it (transformers 5.2x
+    renamed it, and warns that `past_key_values` goes in 5.40), `past_key_values` on the 5.x releases before."""
+    return {_cache_keyword(type(model)): cache}
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def _cache_keyword(cls: type) -> str:
+    if cls not in _CACHE_KEYWORDS:
+        import inspect
+
+        _CACHE_KEYWORDS[cls] = "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    return _CACHE_KEYWORDS[cls]
+
+
 def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
     """The decoder stack (embeddings, layers, final norm) under the LM head: base_model for most models, the text
     decoder of those whose base_model is not it (Llama-4's causal LM)."""

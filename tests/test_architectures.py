@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.targets import with_cache
 from drafters.tiny import TINY_ARCHITECTURES
 
 matrix = load_script("eval/architectures.py")
@@ -60,7 +61,7 @@ def test_chunked_attention_tree_forward_equals_sequential():
     model, _ = build_tiny_architecture("llama4")
     prompt = torch.randint(3, 259, (30,), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache()
-    model(prompt[None], past_key_values=cache, use_cache=True)
+    model(prompt[None], **with_cache(model, cache), use_cache=True)
     shape = TreeShape.from_paths(EAGLE1_PATHS)
     tree = shape.fill(42, torch.randint(3, 259, (shape.num_nodes, 4), generator=torch.Generator().manual_seed(1)))
     logits = tree_forward(model, cache, tree).logits[0]

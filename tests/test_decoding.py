@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 
+from drafters.targets import with_cache
 from drafters.decode.decoder import compact_cache, speculative_generate, tree_attention_mask, tree_forward
 from drafters.decode.proposers import TargetNeeds
 from drafters.tiny import build_tiny_target
@@ -115,7 +116,7 @@ def test_tree_forward_matches_sequential(request, name, kind):
     gen = torch.Generator().manual_seed(3)
     prompt = _prompt(1, length=80)  # longer than Gemma-3's sliding window (64)
     cache = DynamicCache()
-    model(prompt[None], past_key_values=cache, use_cache=True)
+    model(prompt[None], **with_cache(model, cache), use_cache=True)
     tree = _random_tree(kind, 42, gen)
     logits = tree_forward(model, cache, tree).logits[0]  # (N, V)
     for path in tree.paths:
@@ -125,7 +126,7 @@ def test_tree_forward_matches_sequential(request, name, kind):
     path = max(tree.paths, key=len)
     compact_cache(cache, len(prompt), torch.tensor(path))
     assert cache.get_seq_length() == len(prompt) + len(path)
-    nxt = model(torch.tensor([[7]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    nxt = model(torch.tensor([[7]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
     sequential = model(torch.cat([prompt, tree.tokens[path], torch.tensor([7])])[None]).logits[0, -1]
     torch.testing.assert_close(nxt, sequential, atol=1e-4, rtol=1e-4)
 
@@ -136,11 +137,11 @@ def test_gemma3_sliding_window_matters(tiny_gemma3):
     model = tiny_gemma3[0]
     prompt = _prompt(1, length=80)
     cache = DynamicCache()
-    model(prompt[None], past_key_values=cache, use_cache=True)
+    model(prompt[None], **with_cache(model, cache), use_cache=True)
     tree = Tree.chain(torch.tensor([42, 43, 44]))
     mask = tree_attention_mask(tree, len(prompt), model.dtype)  # no window
     logits = model(tree.tokens[None], attention_mask=mask, position_ids=(80 + tree.depths)[None],
-                   past_key_values=cache).logits[0]
+                   **with_cache(model, cache)).logits[0]
     sequential = model(torch.cat([prompt, tree.tokens])[None]).logits[0, -3:]
     assert (logits - sequential).abs().max() > 1e-3
 
@@ -150,7 +151,7 @@ def test_compaction_refuses_sliding_window_cache_layers(tiny_gemma3):
     # a config-built cache keeps only the last W-1 keys of sliding layers: compaction would be wrong
     model = tiny_gemma3[0]
     cache = DynamicCache(config=model.config)
-    model(_prompt(0)[None], past_key_values=cache, use_cache=True)
+    model(_prompt(0)[None], **with_cache(model, cache), use_cache=True)
     with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
         compact_cache(cache, 10, torch.tensor([0, 1]))
 
@@ -306,7 +307,7 @@ def test_a_config_level_window_decodes_like_generate(config_window):
     assert getattr(model.config, "layer_types", None) is None
     prompt = _prompt(1, length=20)  # past the window of 8
     cache = DynamicCache()
-    model(prompt[None], past_key_values=cache, use_cache=True)
+    model(prompt[None], **with_cache(model, cache), use_cache=True)
     tree = _random_tree("static", 42, torch.Generator().manual_seed(3))
     logits = tree_forward(model, cache, tree).logits[0]
     for path in tree.paths:
@@ -314,7 +315,7 @@ def test_a_config_level_window_decodes_like_generate(config_window):
         torch.testing.assert_close(logits[path], sequential, atol=1e-4, rtol=1e-4)
     # the window matters here: without it, the tree's logits differ from the model's
     unwindowed = model(tree.tokens[None], attention_mask=tree_attention_mask(tree, 20, model.dtype),
-                       position_ids=(20 + tree.depths)[None], past_key_values=cache_of(model, prompt)).logits[0]
+                       position_ids=(20 + tree.depths)[None], **with_cache(model, cache_of(model, prompt))).logits[0]
     assert (unwindowed - logits).abs().max() > 1e-3
     reference = greedy_reference(model, prompt, 24)
     for kind in ("chain:4", "dynamic"):
@@ -325,5 +326,5 @@ def test_a_config_level_window_decodes_like_generate(config_window):
 
 def cache_of(model, prompt):
     cache = DynamicCache()
-    model(prompt[None], past_key_values=cache, use_cache=True)
+    model(prompt[None], **with_cache(model, cache), use_cache=True)
     return cache

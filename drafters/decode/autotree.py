@@ -56,6 +56,7 @@ from drafters.decode.benches import render_prompt
 from drafters.decode.decoder import speculative_generate, synced_clock, tree_forward
 from drafters.decode.sampling import SamplingConfig
 from drafters.decode.tree import Tree, parse_tree_spec
+from drafters.targets import with_cache
 
 CANDIDATES = ("chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
               "dynamic:total=6,depth=3,topk=2", "dynamic:total=10,depth=4,topk=3",
@@ -387,7 +388,7 @@ def time_verify(model, context: torch.Tensor, grid, hidden_states: bool, warmup:
     cache holding `context`, median of `repeats` after `warmup`; the cache is cropped back each time."""
     device = model.device
     cache = DynamicCache()
-    model(input_ids=context[None].to(device), past_key_values=cache, use_cache=True)
+    model(input_ids=context[None].to(device), **with_cache(model, cache), use_cache=True)
     past = cache.get_seq_length()
     trees = {n: Tree.chain((context[-n:] if n <= context.numel() else context[torch.arange(n) % context.numel()])
                            .to(device)) for n in grid}

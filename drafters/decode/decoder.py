@@ -23,7 +23,7 @@ from drafters.acceptance import depth_acceptance
 from drafters.decode.proposers import Proposer, TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import Tree
-from drafters.targets import PreNormCapture, TargetFeatures
+from drafters.targets import PreNormCapture, TargetFeatures, with_cache
 
 
 @dataclass
@@ -112,7 +112,7 @@ def tree_forward(model, cache: DynamicCache, tree: Tree, *, hidden_states: bool 
     past = cache.get_seq_length()
     position_ids = (past + tree.depths)[None]  # (1, N)
     return model(input_ids=tree.tokens[None], attention_mask=_model_masks(model, tree, past),
-                 position_ids=position_ids, past_key_values=cache, use_cache=True,
+                 position_ids=position_ids, **with_cache(model, cache), use_cache=True,
                  output_hidden_states=hidden_states)
 
 
@@ -205,7 +205,8 @@ def speculative_generate(model, proposer: Proposer, prompt_ids: Tensor, *, max_n
     prompt, stats, cache = prompt_ids.reshape(-1).to(device), RoundStats(), DynamicCache()
     with PreNormCapture(model, needs.pre_norm_last) as pre_norm:  # (1, T, H) of the last forward
         start = perf_counter()
-        out = model(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=needs.any)
+        out = model(input_ids=prompt[None], **with_cache(model, cache), use_cache=True,
+                    output_hidden_states=needs.any)
         generated = [_pick(out.logits[0, -1], sampling, generator)]
         proposer.reset(prompt, _features(out, pre_norm, needs, slice(None)))
         stats.prefill_s = perf_counter() - start

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask
+from drafters.targets import with_cache
 
 
 def check_same_vocabulary(draft_model, draft_tokenizer, target_vocab_size: int, target_tokenizer) -> None:
@@ -84,7 +85,7 @@ class DraftModelProposer:
         out = self.model(
             input_ids=tokens[None].to(self.model.device),
             position_ids=positions[None].to(self.model.device),
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
         )
         self.cached = torch.cat([self.cached, tokens])
@@ -163,7 +164,7 @@ class DraftModelProposer:
             input_ids=tokens[None].to(device),
             position_ids=torch.full((1, tokens.numel()), position, device=device),
             attention_mask=mask,
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
         )
         return out.logits[0]
