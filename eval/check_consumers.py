@@ -133,16 +133,23 @@ def features(target, ids: torch.Tensor, layers) -> torch.Tensor:
     return fuse_features(target.features(ids, layers=layers, logits=False).hidden_states, layers)  # (1, T, n*h)
 
 
+def vllm_export(target, ckpt: Path, work: Path, corrupt=None) -> Path:
+    """The checkpoint exported for speculators (its verifier written beside it); corrupt(export_dir), where tests
+    pass one, plants a fault before the consumer reads it."""
+    verifier = write_verifier(target, work / "verifier")
+    export = export_checkpoint(ckpt, "vllm", work / "vllm", target=target, verifier=str(verifier)).path
+    if corrupt is not None:
+        corrupt(export)
+    return export
+
+
 # ---- vllm export -> speculators --------------------------------------------------------------------
 
 def check_vllm_export(target, work: Path, venv: Path, corrupt=None, norms: dict | None = None) -> dict:
     # corrupt(export_dir): tests plant a fault there before the consumer reads it; norms: the drafter's norm
     # options (drafters.eagle3.Eagle3Config), which speculators must apply as we do
     ckpt = save_drafter(target, work / "ckpt", norms)
-    verifier = write_verifier(target, work / "verifier")
-    export = export_checkpoint(ckpt, "vllm", work / "vllm", target=target, verifier=str(verifier)).path
-    if corrupt is not None:
-        corrupt(export)
+    export = vllm_export(target, ckpt, work, corrupt)
     source = load_checkpoint(ckpt)
     drafter = Eagle3Drafter(Eagle3Config(**source.config))
     drafter.load_state_dict(source.state_dict)
@@ -190,10 +197,7 @@ def save_dspark(target, path: Path) -> Path:
 def check_dspark_export(target, work: Path, venv: Path, corrupt=None) -> dict:
     # corrupt(export_dir): tests plant a fault there before the consumer reads it
     ckpt = save_dspark(target, work / "ckpt")
-    verifier = write_verifier(target, work / "verifier")
-    export = export_checkpoint(ckpt, "vllm", work / "vllm", target=target, verifier=str(verifier)).path
-    if corrupt is not None:
-        corrupt(export)
+    export = vllm_export(target, ckpt, work, corrupt)
     drafter = load_drafter(load_checkpoint(ckpt)).eval().attach_head(target.lm_head.weight)
     ids = prompt_ids(target)
     fused = features(target, ids, drafter.config.aux_layers)
@@ -241,10 +245,7 @@ def check_peagle_export(target, work: Path, venv: Path, corrupt=None, norms: dic
     # corrupt(export_dir): tests plant a fault there before the consumer reads it; norms: the drafter's norm
     # options (drafters.eagle3.Eagle3Config), which speculators must apply as we do
     ckpt = save_peagle(target, work / "ckpt", norms)
-    verifier = write_verifier(target, work / "verifier")
-    export = export_checkpoint(ckpt, "vllm", work / "vllm", target=target, verifier=str(verifier)).path
-    if corrupt is not None:
-        corrupt(export)
+    export = vllm_export(target, ckpt, work, corrupt)
     drafter = load_drafter(load_checkpoint(ckpt)).eval()
     ids = prompt_ids(target)
     fused = features(target, ids, drafter.config.aux_layers)

@@ -61,9 +61,18 @@ def use_cpu_attention(config) -> None:
     config.transformer_layer_config._attn_implementation = "eager"
 
 
+def layer_read_back(layer) -> dict:
+    """The drafter's decoder-layer config as speculators rebuilt it (transformer_layer_config)."""
+    rope = getattr(layer, "rope_parameters", None) or {}
+    return {"layer_model_type": layer.model_type,
+            **{key: getattr(layer, key) for key in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                                    "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                    "max_position_embeddings", "rms_norm_eps", "hidden_act")},
+            "rope_theta": rope.get("rope_theta"), "rope_type": rope.get("rope_type")}
+
+
 def read_back(config) -> dict:
     layer = config.transformer_layer_config
-    rope = getattr(layer, "rope_parameters", None) or {}
     return {
         "speculators_model_type": config.speculators_model_type,
         "architectures": list(config.architectures),
@@ -75,18 +84,7 @@ def read_back(config) -> dict:
         "norm_before_fc": config.norm_before_fc,
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,
-        "layer_model_type": layer.model_type,
-        "num_hidden_layers": layer.num_hidden_layers,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "num_attention_heads": layer.num_attention_heads,
-        "num_key_value_heads": layer.num_key_value_heads,
-        "head_dim": layer.head_dim,
-        "max_position_embeddings": layer.max_position_embeddings,
-        "rms_norm_eps": layer.rms_norm_eps,
-        "rope_theta": rope.get("rope_theta"),
-        "rope_type": rope.get("rope_type"),
-        "hidden_act": layer.hidden_act,
+        **layer_read_back(layer),
         "tie_word_embeddings": getattr(layer, "tie_word_embeddings", None),
         "speculative_tokens": [m.speculative_tokens for m in config.speculators_config.proposal_methods],
         "verifier": config.speculators_config.verifier.name_or_path,
@@ -198,25 +196,13 @@ def verifier_states(model, length: int):
 
 def draft_read_back(config) -> dict:
     layer = config.transformer_layer_config
-    rope = getattr(layer, "rope_parameters", None) or {}
     return {
         "speculators_model_type": config.speculators_model_type,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "mask_token_id": config.mask_token_id,
-        "layer_model_type": layer.model_type,
+        **layer_read_back(layer),
         "vocab_size": layer.vocab_size,
-        "num_hidden_layers": layer.num_hidden_layers,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "num_attention_heads": layer.num_attention_heads,
-        "num_key_value_heads": layer.num_key_value_heads,
-        "head_dim": layer.head_dim,
-        "max_position_embeddings": layer.max_position_embeddings,
-        "rms_norm_eps": layer.rms_norm_eps,
-        "rope_theta": rope.get("rope_theta"),
-        "rope_type": rope.get("rope_type"),
-        "hidden_act": layer.hidden_act,
         "attention_bias": getattr(layer, "attention_bias", None),
         "layer_types": list(getattr(layer, "layer_types", None) or []),
         "speculative_tokens": [m.speculative_tokens for m in config.speculators_config.proposal_methods],

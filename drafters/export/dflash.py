@@ -51,7 +51,7 @@ from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
                                     export_files, export_target, load_source, refuse_export, state_problems)
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
-                                     get_field, int_list, read_json, read_tensors, rebuild)
+                                     float_dtype, get_field, int_list, read_json, read_tensors, rebuild)
 
 FORMATS = ("sglang", "vllm")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -360,14 +360,7 @@ def _check_dflash_tensors(tensors: dict, c: DFlashConfig, config_dtype, fmt: str
         if int(tensors["t2d"].sum()) != c.draft_vocab_size or bool((kept[1:] <= kept[:-1]).any()) or \
                 int(kept.min()) < 0 or int(kept.max()) >= c.vocab_size or not bool(tensors["t2d"][kept].all()):
             raise ExportCheckError(f"{where}: d2t and t2d do not describe one ascending draft vocabulary")
-    floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if len(floats) != 1 or not floats <= set(names.values()):
-        raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16, got "
-                               f"{sorted(map(str, floats))}")
-    dtype = floats.pop()
-    if config_dtype is not None and names.get(config_dtype) != dtype:
-        raise ExportCheckError(f"{where}: config.json says torch_dtype {config_dtype!r} but the weights are {dtype}")
+    dtype = float_dtype(tensors, config_dtype, where, {"float32": torch.float32, "bfloat16": torch.bfloat16})
     return tensors.pop("lm_head.weight", None), dtype
 
 

@@ -39,9 +39,9 @@ from drafters.dtypes import DTYPES
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
                                     export_files, export_target, load_source, refuse_export, state_problems)
-from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
-                                     compare_with_source, config_dtype, get_field, llama_default, note_defaults,
-                                     read_json, read_tensors, rebuild, rope_fields)
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout,
+                                     compare_with_source, config_dtype, float_dtype, get_field, llama_default,
+                                     note_defaults, read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -179,14 +179,7 @@ def check_eagle1_export(path, *, target: dict | None = None, reference: Checkpoi
 def _check_tensors(tensors: dict, g: dict, stated_dtype: str | None, where: Path) -> torch.dtype:
     shapes = expected_shapes(g)
     check_layout(tensors, shapes, "official EAGLE-1", where)
-    floats, wanted = {v.dtype for v in tensors.values()}, READER_DTYPES
-    if len(floats) != 1 or not floats <= set(wanted.values()):
-        raise ExportCheckError(f"{where}: tensors must all be float32 or all bfloat16 (or all float16, as the EAGLE "
-                               f"repository's), got {sorted(map(str, floats))}")
-    dtype = floats.pop()
-    if stated_dtype is not None and wanted.get(stated_dtype) != dtype:
-        raise ExportCheckError(f"{where}: config.json says torch_dtype {stated_dtype!r} but the weights are {dtype}")
-    return dtype
+    return float_dtype(tensors, stated_dtype, where)  # float16 too: the EAGLE repository's checkpoints
 
 
 

@@ -33,8 +33,8 @@ from safetensors import safe_open
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from drafters.export.reading import (READER_DTYPES, CheckReport, ExportCheckError, check_finite, check_layout,
-                                     compare_with_source, config_dtype, get_field, int_list, llama_default,
+from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout,
+                                     compare_with_source, config_dtype, float_dtype, get_field, int_list, llama_default,
                                      note_defaults, read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
 
@@ -331,15 +331,7 @@ def _check_tensors(tensors: dict, g: dict, num_aux: int, layer: str, where: Path
     if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
         raise ExportCheckError(f"{where}: want d2t int64 and t2d bool, got "
                                f"{tensors['d2t'].dtype} / {tensors['t2d'].dtype}")
-    floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    wanted = READER_DTYPES
-    if len(floats) != 1 or not floats <= set(wanted.values()):
-        raise ExportCheckError(f"{where}: float tensors must all be float32 or all bfloat16 (or all "
-                               f"float16, as the EAGLE repository's), got {sorted(map(str, floats))}")
-    dtype = floats.pop()
-    if stated_dtype is not None and wanted.get(stated_dtype) != dtype:
-        raise ExportCheckError(f"{where}: config says torch_dtype {stated_dtype!r} but the "
-                               f"weights are {dtype}")
+    dtype = float_dtype(tensors, stated_dtype, where)  # float16 too: the EAGLE repository's checkpoints
     _check_vocab_maps(tensors["d2t"], tensors["t2d"], where)
     return dtype
 

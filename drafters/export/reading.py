@@ -184,6 +184,20 @@ def check_finite(tensors: dict[str, torch.Tensor], where) -> None:
                                "saved corrupted: export an earlier checkpoint or retrain")
 
 
+def float_dtype(tensors: dict, stated: str | None, where, allowed: dict = READER_DTYPES, error=None) -> torch.dtype:
+    """The one dtype of an export's weights, every tensor but the draft vocabulary's maps (d2t int64, t2d bool),
+    which must be one of `allowed` (torch_dtype name -> dtype: an int8 weight is refused, not cast) and match the
+    config's torch_dtype where it states one."""
+    error = error or ExportCheckError
+    floats = {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    if len(floats) != 1 or not floats <= set(allowed.values()):
+        raise error(f"{where}: float tensors must all be {' or all '.join(allowed)}, got {sorted(map(str, floats))}")
+    dtype = floats.pop()
+    if stated is not None and allowed.get(stated) != dtype:
+        raise error(f"{where}: config says torch_dtype {stated!r} but the weights are {dtype}")
+    return dtype
+
+
 def check_layout(tensors: dict, shapes: dict[str, tuple], layout: str, where, error=None) -> None:
     """The tensor names are exactly `shapes`' keys and each has its shape (derived from the config read back);
     else `error` naming the file, the layout, and what is missing, unexpected or misshapen."""
