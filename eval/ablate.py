@@ -198,6 +198,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mt-bench-turns", type=int, default=1, help="MT-bench turns per question (1 or 2; default 1)")
     p.add_argument("--mt-bench-tokens", type=int, default=128, help="new tokens per MT-bench turn (default 128)")
     p.add_argument("--out", default="outputs/ablate")
+    p.add_argument("--table", action="store_true", help="only rewrite OUT/results.md from OUT/results.json")
     args = p.parse_args(argv)
     names = args.settings.split(",")
     unknown = [n for n in names if n not in SETTINGS]
@@ -208,6 +209,14 @@ def main(argv=None) -> list[dict]:
                          f"python train/features.py {args.recipe} features.dir={args.features} threads=1")
     results_path = ROOT / args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if args.table:  # the table again from what the runs left, MT-bench details read from their reports
+        for name, entry in results.items():
+            report = ROOT / args.out / name / f"mt_bench-chain{args.chain}.json"
+            if "mt_bench_acceptance" not in entry and report.is_file():
+                entry.update(mt_bench_details(json.loads(report.read_text())))
+        write_text_atomic(results_path, json.dumps(results, indent=1) + "\n")
+        write_text_atomic(ROOT / args.out / "results.md", table(list(results.values()), args.chain))
+        return list(results.values())
     for name in names:
         done = results.get(name)
         if done and done["command"] == shlex.join(train_command(name, args)[0]) and \
