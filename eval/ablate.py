@@ -83,6 +83,8 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
     "argmax": ("(h) hard labels: cross-entropy against the target's argmax", [*FAST, *COMBO, "divergence=argmax"]),
     "muon": ("(h) Muon on the hidden matrices, AdamW on the rest (optim.name=muon), lr 1e-3",
              [*FAST, *COMBO, "optim.name=muon"]),
+    "muon-lr3e-3": ("(h) Muon on the hidden matrices, AdamW on the rest, lr 3e-3",
+                    ["optim.lr=3e-3", "optim.warmup_steps=5", *COMBO, "optim.name=muon"]),
     # (g) DFlash from the same store: blocks of 4 = 3 drafts a pass, what a chain of 3 serves; its full vocabulary
     # is what llama.cpp's DFlash converter needs (no d2t mapping there)
     "dflash-b4": ("(g) DFlash, block 4 (3 drafts a pass), full vocab, lr 1e-3", [*FAST, "dflash.block_size=4"],
