@@ -13,10 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint, target_info
+from drafters.draft_vocab import DraftVocabError
 from drafters.dtypes import dtype_name, spellings
 from drafters.errors import UserError
 from drafters.export.reading import check_finite
 from drafters.files import check_writable, move_dir_into_place
+from drafters.registry import build_drafter, family_of
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EXPORT_DTYPES = ("float32", "bfloat16")  # what engines load; drafters.dtypes names
@@ -41,9 +43,6 @@ def refuse_export(source, fmt: str, problems: list[str], why: str | None = SILEN
 def state_problems(config, state: dict) -> list[str]:
     """[] when `state` loads strictly into the drafter `config` describes, built as every loader builds it
     (drafters.registry.build_drafter, draft vocabulary included), else the one problem."""
-    from drafters.draft_vocab import DraftVocabError
-    from drafters.registry import build_drafter, family_of
-
     try:
         build_drafter(family_of(config), config, state, "the state dict")
     except (CheckpointError, DraftVocabError) as err:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from drafters.checkpoint import CheckpointError, nonfinite
 from drafters.draft_vocab import DraftVocabError
 from drafters.errors import UserError
+from drafters.registry import build_drafter, family_of
 
 
 class ExportCheckError(UserError):
@@ -215,8 +216,6 @@ def rebuild(config, state: dict, where, error=None):
     """The drafter that tensors read back from an export make: the family's own constructor and a strict load
     (drafters.registry.build_drafter, as checkpoints and proposers build it), in float32 and eval mode. Tensors
     that do not fit the config read back -> `error` (the reader's ExportCheckError subclass) naming `where`."""
-    from drafters.registry import build_drafter, family_of
-
     floats = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     try:
         return build_drafter(family_of(config), config, floats, where).eval()
