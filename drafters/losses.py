@@ -90,7 +90,7 @@ def divergence_rows(log_q: Tensor, p: Tensor, divergence: str = "kl") -> Tensor:
 
 
 @torch.no_grad()
-def divergence_grad(log_q: Tensor, p: Tensor, divergence: str = "kl") -> tuple[Tensor, Tensor]:
+def divergence_grad(log_q: Tensor, p: Tensor, divergence: str = "kl") -> tuple[Tensor, Tensor, Tensor]:
     """`divergence_rows` and its gradient with respect to the logits z (q = softmax(z)), by hand, for the fused head:
         kl          dL/dz = q - p
         argmax      dL/dz = q - onehot(a)
@@ -98,20 +98,22 @@ def divergence_grad(log_q: Tensor, p: Tensor, divergence: str = "kl") -> tuple[T
             reverse_kl  g = log q - log p (+1, which <q, g> cancels)
             jsd         g = 1/2 log(q / m)
             lk          g = -[q < p] / A
-    log_q, p (c, Vd) -> (loss (c,), dL/dz (c, Vd)), float32."""
+    log_q, p (c, Vd) -> (loss (c,), dL/dz (c, Vd), q (c, Vd)), float32 (q returned for a caller's further terms).
+    kl and argmax need no log q after the loss: q is then log_q exponentiated in place (one (c, Vd) less per chunk,
+    as the fused head held before), so the caller must not read log_q again."""
     loss = divergence_rows(log_q, p, divergence)
-    q = log_q.float().exp()
+    q = log_q.float().exp_() if divergence in ("kl", "argmax") else log_q.float().exp()
     if divergence == "kl":
-        return loss, q - p
+        return loss, q - p, q
     if divergence == "argmax":
-        return loss, q - torch.zeros_like(q).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
+        return loss, q - torch.zeros_like(q).scatter_(-1, p.argmax(-1, keepdim=True), 1.0), q
     if divergence == "reverse_kl":
         g = log_q.float() - p.clamp_min(TINY).log()
     elif divergence == "jsd":
         g = 0.5 * (log_q.float() - ((p + q) / 2).log())
     else:  # lk
         g = -(q < p).float() / torch.minimum(p, q).sum(-1, keepdim=True).clamp_min(TINY)
-    return loss, q * (g - (q * g).sum(-1, keepdim=True))
+    return loss, q * (g - (q * g).sum(-1, keepdim=True)), q
 
 
 def soft_cross_entropy(draft_logits: Tensor, target_p: Tensor, in_vocab: Tensor,
@@ -185,10 +187,9 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
             z = (x[rows] @ w.T).float()  # (c, Vd)
             log_q = torch.log_softmax(z, dim=-1)
             argmax[rows] = z.argmax(-1)
-            row_loss, dz = divergence_grad(log_q, target_p[rows], divergence)  # (c,), (c, Vd)
+            row_loss, dz, q = divergence_grad(log_q, target_p[rows], divergence)  # (c,), (c, Vd), (c, Vd)
             loss += row_loss.sum()
             if tv_weight:
-                q = log_q.exp_()  # (c, Vd), log_q no longer needed
                 difference = q - target_p[rows]
                 loss += tv_weight * 0.5 * difference.abs().sum()
                 g = 0.5 * difference.sign()
