@@ -9,6 +9,12 @@ The target cache is a plain `DynamicCache()` (full-attention layers everywhere):
 sliding-window models (Gemma-3) the window is applied by the masks built here, never by cache
 eviction, so compaction is one gather for every layer. Costs memory on long contexts, not
 correctness. The decoder knows nothing about how drafts are made (proposers do) nor tokenizers.
+
+Targets with recurrent layers (linear attention, Mamba: Qwen3.5, Qwen3-Next, Granite-4) keep a state per layer
+that sums every token it has seen, so tree branches cannot share one forward and a rejected draft cannot be
+cropped out. For them a round verifies the tree's first-child chain (the proposer's top path) in the model's own
+cache (`DynamicCache(config=...)`), after a `StateSnapshot`; when a draft is rejected the snapshot is restored
+and the accepted tokens are fed again, one extra forward of a + 1 tokens.
 """
 
 from dataclasses import dataclass, field
@@ -17,7 +23,7 @@ from time import perf_counter
 import torch
 from torch import Tensor
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from drafters.acceptance import depth_acceptance
 from drafters.decode.proposers import Proposer, TargetNeeds
@@ -36,7 +42,7 @@ class RoundStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0  # proposer.propose + proposer.update
     verify_s: float = 0.0  # target forward over the tree
-    other_s: float = 0.0  # acceptance rule, cache compaction, bookkeeping
+    other_s: float = 0.0  # acceptance rule, cache compaction or state rollback, bookkeeping
 
     @property
     def num_rounds(self) -> int:
@@ -89,22 +95,36 @@ def _model_masks(model, tree: Tree, past: int):
 
 
 TREE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # what _model_masks masks
+# layers that keep a recurrent state (transformers' cache layer types): verified as chains, rolled back by snapshots
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 
 
 def check_tree_decodable(model) -> set[str]:
-    """The target's attention layer types, or one sentence on why the tree decoder cannot run it. Linear-attention
-    and state-space layers (Qwen3.5, Qwen3-Next, Granite-4) keep a recurrent state that a rejected draft would
-    have to be rolled back from, which this decoder does not do: refused here, before any forward."""
+    """The target's layer types (TREE_LAYER_TYPES, plus RECURRENT_LAYER_TYPES where `has_recurrent_layers`), or
+    one sentence on why the decoder cannot run it, raised before any forward."""
     config = model.config.get_text_config()
     layer_types = set(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
                       or ["full_attention"])
-    other = sorted(layer_types - set(TREE_LAYER_TYPES))
+    layer_types -= {"dummy", "moe", "mlp"}  # layers that keep no cache at all
+    recurrent = layer_types & set(RECURRENT_LAYER_TYPES)
+    other = sorted(layer_types - set(TREE_LAYER_TYPES) - recurrent)
     if other:
         raise NotImplementedError(
-            f"tree decoding: {type(model).__name__} has {', '.join(other)} layers, whose recurrent state a rejected "
-            "draft would have to be rolled back from; the decoder verifies attention layers only (full, sliding "
-            "and chunked). Training and export work for this target; measure tau in an engine that serves it")
+            f"decoding: {type(model).__name__} has {', '.join(other)} layers, which this decoder cannot verify drafts "
+            f"on (it runs attention layers: {', '.join(TREE_LAYER_TYPES)}; and recurrent ones: "
+            f"{', '.join(RECURRENT_LAYER_TYPES)}). Training and export work for this target; measure tau in an "
+            "engine that serves it")
+    if recurrent and layer_types & {"sliding_attention", "chunked_attention"}:
+        raise NotImplementedError(
+            f"decoding: {type(model).__name__} mixes recurrent layers with windowed attention, whose cache evicts "
+            "keys a rejected draft would have to restore; this decoder does not roll that back. Training and export "
+            "work for this target; measure tau in an engine that serves it")
     return layer_types
+
+
+def has_recurrent_layers(model) -> bool:
+    # True: rounds verify first-child chains and roll back by StateSnapshot (the module docstring)
+    return bool(check_tree_decodable(model) & set(RECURRENT_LAYER_TYPES))
 
 
 def tree_forward(model, cache: DynamicCache, tree: Tree, *, hidden_states: bool = False):
@@ -114,6 +134,60 @@ def tree_forward(model, cache: DynamicCache, tree: Tree, *, hidden_states: bool 
     return model(input_ids=tree.tokens[None], attention_mask=_model_masks(model, tree, past),
                  position_ids=position_ids, **with_cache(model, cache), use_cache=True,
                  output_hidden_states=hidden_states)
+
+
+def chain_forward(model, cache: DynamicCache, tokens: Tensor, *, hidden_states: bool = False):
+    # tokens (n,) after the cache: the model's own causal (and recurrent) path, no custom mask
+    past = cache.get_seq_length()
+    position_ids = past + torch.arange(tokens.numel(), device=tokens.device)
+    return model(input_ids=tokens[None], position_ids=position_ids[None], **with_cache(model, cache), use_cache=True,
+                 output_hidden_states=hidden_states)
+
+
+def first_chain(tree: Tree) -> Tree:
+    # the root and, at each depth, the first child: a static or dynamic tree's top path (its draft rows with it)
+    nodes = [0]
+    while tree.children[nodes[-1]]:
+        nodes.append(tree.children[nodes[-1]][0])
+    if len(nodes) == tree.num_nodes:
+        return tree
+    index = torch.tensor(nodes, device=tree.tokens.device)
+    probs = None if tree.draft_probs is None else tree.draft_probs[index.to(tree.draft_probs.device)]
+    return Tree.chain(tree.tokens[index], probs)
+
+
+def model_cache(model) -> DynamicCache:
+    # attention-only targets: plain DynamicLayers (compact_cache gathers them); recurrent ones: the model's own
+    # layout, whose linear layers hold the states StateSnapshot copies
+    return DynamicCache(config=model.config) if has_recurrent_layers(model) else DynamicCache()
+
+
+class StateSnapshot:
+    """What a chain verification must undo: the attention layers' length (cut back to it) and a copy of every
+    recurrent layer's conv and recurrent states (copied back in place: a state sums all its tokens and cannot be
+    cropped). Taken before the verification forward; `restore` leaves the cache as it was then."""
+
+    def __init__(self, cache: DynamicCache):
+        self.length = cache.get_seq_length()
+        self.states = []
+        for layer in cache.layers:
+            if not isinstance(layer, (DynamicLayer, LinearAttentionLayer, DummyLayer)):
+                raise NotImplementedError(f"StateSnapshot: cache layer {type(layer).__name__} is neither plain "
+                                          "attention nor a recurrent state; it cannot be rolled back")
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                self.states.append(tuple({i: t.clone() for i, t in states.items() if t is not None}
+                                         for states in (layer.conv_states, layer.recurrent_states)))
+            else:
+                self.states.append(None)
+
+    def restore(self, cache: DynamicCache) -> None:
+        for layer, saved in zip(cache.layers, self.states):
+            if saved is not None:
+                for states, copies in zip((layer.conv_states, layer.recurrent_states), saved):
+                    for i, copy in copies.items():
+                        states[i].copy_(copy)  # in place: the layer keeps its tensors' addresses
+            elif isinstance(layer, DynamicLayer) and layer.is_initialized:
+                layer.keys, layer.values = layer.keys[:, :, :self.length], layer.values[:, :, :self.length]
 
 
 def compact_cache(cache: DynamicCache, past: int, keep: Tensor) -> None:
@@ -202,7 +276,7 @@ def speculative_generate(model, proposer: Proposer, prompt_ids: Tensor, *, max_n
     device, eos, needs = model.device, set(eos_token_ids), proposer.needs
     if generator is None and sampling.seed is not None:
         generator = torch.Generator(device).manual_seed(sampling.seed)
-    prompt, stats, cache = prompt_ids.reshape(-1).to(device), RoundStats(), DynamicCache()
+    prompt, stats, cache = prompt_ids.reshape(-1).to(device), RoundStats(), model_cache(model)
     with PreNormCapture(model, needs.pre_norm_last) as pre_norm:  # (1, T, H) of the last forward
         start = perf_counter()
         out = model(input_ids=prompt[None], **with_cache(model, cache), use_cache=True,
@@ -220,9 +294,15 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
     t0 = perf_counter()
     context = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long, device=device)])  # (T,) = cache
     tree = _on(proposer.propose(context, pending, sampling), device, pending)
+    snapshot = None
+    if recurrent := any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
+        tree, snapshot = first_chain(tree), StateSnapshot(cache)
     t1 = synced_clock(device)
     past = cache.get_seq_length()
-    out = tree_forward(model, cache, tree, hidden_states=needs.any)
+    if recurrent:
+        out = chain_forward(model, cache, tree.tokens, hidden_states=needs.any)
+    else:
+        out = tree_forward(model, cache, tree, hidden_states=needs.any)
     logits = out.logits[0]  # (N, V)
     t2 = synced_clock(device)
     if sampling.greedy:
@@ -237,7 +317,11 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
     t3 = perf_counter()
     if not _finished(generated, eos, max_new_tokens):  # the last round needs no cache or proposer update
         keep = torch.tensor(path, device=device)
-        compact_cache(cache, past, keep)
+        if not recurrent:
+            compact_cache(cache, past, keep)
+        elif len(path) < tree.num_nodes:  # a draft was rejected: back to before the round, then the accepted path
+            snapshot.restore(cache)
+            chain_forward(model, cache, tree.tokens[keep])
         t3 = synced_clock(device)
         proposer.update(tree.tokens[keep], _features(out, pre_norm, needs, keep), bonus)
     t4 = synced_clock(device)
@@ -280,7 +364,8 @@ def synced_clock(device) -> float:
 def _check_supported(model, max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_tree_decodable(model)
+    if has_recurrent_layers(model):
+        return  # chain rounds use the model's own masks
     attn = model.config._attn_implementation
     if attn not in ("sdpa", "eager"):
         raise NotImplementedError(f"tree decoding needs a 4D attention mask: load the target with "

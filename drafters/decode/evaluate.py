@@ -49,7 +49,7 @@ from tqdm import tqdm
 from drafters.acceptance import geometric_chain_tau
 from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
-from drafters.decode.decoder import RoundStats, check_tree_decodable, speculative_generate
+from drafters.decode.decoder import RoundStats, has_recurrent_layers, speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.loading import load_proposer, proposer_sha256
 from drafters.decode.sampling import SamplingConfig
@@ -148,7 +148,7 @@ def measure(args: Options) -> dict:
         torch.set_num_threads(args.threads)
     try:
         target = load_target(args.target, dtype=args.dtype)
-        check_tree_decodable(target.model)  # a hybrid target is refused in one sentence, before any baseline
+        layout_notes = recurrent_layout(target, tree, args.tree)  # or refused in one sentence, before any baseline
         device_used = str(device(args.device))
         target.model.to(device_used)
         sha256 = proposer_sha256(args.proposer)  # what was measured, not just its path
@@ -161,7 +161,7 @@ def measure(args: Options) -> dict:
         proposer = load_proposer(args.proposer, target, tree)
         # how a drafter's files were read where they leave something out (e.g. another tool's EAGLE-3
         # directory without layer ids: the engine's default layers): said here, recorded in the JSON
-        notes = tuple(getattr(proposer, "notes", []))
+        notes = layout_notes + tuple(getattr(proposer, "notes", []))
         for note in notes:
             print(f"note: {note}")
         settings = Settings(
@@ -194,6 +194,20 @@ def measure(args: Options) -> dict:
         raise EvaluationError(f"{len(run.mismatches)} greedy outputs differ from generate (a bug): "
                          f"{run.mismatches}")
     return report
+
+
+def recurrent_layout(target, tree, spec: str) -> tuple[str, ...]:
+    # a target with recurrent layers verifies chains (drafters.decode.decoder's docstring): --tree auto, which
+    # times tree shapes, is refused; a tree spec is verified as its first-child chain, said as a note
+    if not has_recurrent_layers(target.model):
+        return ()
+    if tree is None:
+        raise EvaluationError(f"--tree auto: {target.name} has recurrent layers, so every round verifies a chain and "
+                              "there is no tree shape to pick; pass --tree chain:K")
+    if isinstance(tree, ChainSpec):
+        return ()
+    return (f"{target.name} has recurrent layers: each round verifies the first-child chain of --tree {spec} "
+            "(its top path), and a rejected draft rolls the layers' states back from a snapshot",)
 
 
 def check_inputs(args):
