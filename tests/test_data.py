@@ -410,15 +410,28 @@ def test_answer_only_is_explicit_and_reported(tmp_path, thinking):
         build_examples(tokenizer, path, max_length=512, reasoning="think")
 
 
-def test_a_template_that_cannot_place_a_turn_skips_the_row_instead_of_refusing_the_data(tmp_path, tokenizer):
-    # the generation prompt opens an empty think block that rendered assistant turns do not have: no rendering
-    # places the answer, so that row is skipped and counted; the other template's rows are unaffected
-    broken = build_tiny_tokenizer()
-    broken.chat_template = CHATML_TEMPLATE.replace("assistant\n' }}", "assistant\n<think></think>' }}")
+def test_a_generation_prompt_that_forces_text_trains_each_turn_after_it(tmp_path, tokenizer):
+    # the generation prompt writes an empty think block that rendered answers lack (a non-thinking mode): each turn
+    # is its own example, the generation prompt in the context and the answer the model writes after it trained
+    forcing = build_tiny_tokenizer()
+    forcing.chat_template = CHATML_TEMPLATE.replace("assistant\n' }}", "assistant\n<think></think>' }}")
     with pytest.raises(NotPrefixStable, match="(?s)not prefix-stable.*<think>"):
-        tokenize_conversation(broken, SYSTEM_CHAT)
+        tokenize_conversation(forcing, SYSTEM_CHAT)
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": SYSTEM_CHAT}])
+    examples, report = build_examples(forcing, path, max_length=512)
+    assert [masked_runs(forcing, e.input_ids, e.loss_mask) for e in examples] == [[a] for a in ANSWERS]
+    assert forcing.decode(examples[1].input_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n<think></think>4, of course.\nAnything else?<|im_end|>\n")
+    assert report.per_turn_rows == 1
+
+
+def test_a_template_that_cannot_place_a_turn_skips_the_row_instead_of_refusing_the_data(tmp_path, tokenizer):
+    # rendered answers sit under another header (model) than the generation prompt opens (assistant): no rendering
+    # places the text the model wrote after its prompt, so that row is skipped and counted
+    broken = build_tiny_tokenizer()
+    broken.chat_template = CHATML_TEMPLATE.replace("message['role']", "message['role'].replace('assistant', 'model')")
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": SYSTEM_CHAT}, {"conversations": SYSTEM_CHAT[1:3]}])
-    with pytest.raises(DataError, match=r"(?s)skipped 2 x chat template cannot place an assistant turn.*<think>"):
+    with pytest.raises(DataError, match=r"skipped 2 x chat template cannot place an assistant turn"):
         build_examples(broken, path, max_length=512)
 
 

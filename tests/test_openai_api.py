@@ -29,6 +29,16 @@ class Recorder(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self):  # a chat reply; the request body is recorded
+        self.seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "4."}, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": 5, "completion_tokens": 1}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args):
         pass
 
@@ -99,3 +109,15 @@ def test_a_chat_reply_keeps_the_reasoning_the_server_split_off(field):
     assert (cut.text, cut.reasoning, cut.finish_reason) == ("", "Let me think", "length")
     with pytest.raises(Transient, match="empty reply"):
         _reply(answer("", None), chat=True)
+
+
+def test_chat_sends_the_templates_variables_where_engines_read_them(servers):
+    # vLLM, SGLang and llama-server take the template's variables (a thinking switch) as chat_template_kwargs
+    seen, url = servers()
+    client = OpenAIServer(url)
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert client.chat("m", messages, {"max_tokens": 4}, template_kwargs={"enable_thinking": True}).text == "4."
+    client.chat("m", messages, {"max_tokens": 4})
+    (first_path, first), (_, second) = seen[-2:]
+    assert first_path == "/v1/chat/completions" and first["chat_template_kwargs"] == {"enable_thinking": True}
+    assert "chat_template_kwargs" not in second  # nothing sent where nothing was asked

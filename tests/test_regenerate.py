@@ -198,3 +198,17 @@ def test_a_server_with_a_larger_vocabulary_is_refused_by_the_probe(regenerate, t
         server.shutdown()
         server.server_close()
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_templates_variables_render_the_prompt(tmp_path):
+    # chat_template_kwargs reach the template that renders each prompt (a thinking switch opens the think block)
+    from drafters.tiny import CHATML_TEMPLATE, build_tiny_tokenizer
+    from drafters.training.regenerate import Stats, prompt_ids
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE.replace(
+        "assistant\n' }}", "assistant\n' }}{% if enable_thinking %}{{ '<think>\n' }}{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = tokenizer.decode(prompt_ids(tokenizer, messages, Stats(), {"enable_thinking": True}))
+    plain = tokenizer.decode(prompt_ids(tokenizer, messages, Stats()))
+    assert thinking == plain + "<think>\n" and plain.endswith("assistant\n")

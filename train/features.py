@@ -45,7 +45,8 @@ def main(argv: list[str]) -> dict:
     header = features_header(recipe, target, family)
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length, fmt=data.fmt,
-                                      split=data.split, limit=data.limit, reasoning=data.reasoning)
+                                      split=data.split, limit=data.limit, reasoning=data.reasoning,
+                                      template_kwargs=data.chat_template_kwargs)
     if processes.rank == 0:
         print(report.summary())
     return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size,

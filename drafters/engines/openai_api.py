@@ -113,12 +113,15 @@ class OpenAIServer:
         out = self.request("/completions", {"model": model, "prompt": [int(i) for i in prompt], **sampling})
         return _reply(out, chat=False)
 
-    def chat(self, model: str, messages: list[dict], sampling: dict, chat_template: str | None = None) -> Reply:
+    def chat(self, model: str, messages: list[dict], sampling: dict, chat_template: str | None = None,
+             template_kwargs: dict | None = None) -> Reply:
         """/v1/chat/completions; `chat_template` is sent for servers that apply one per request (vLLM does,
         llama-server uses the one it was started with): the caller checks `prompt_tokens` to see which."""
         body = {"model": model, "messages": messages, **sampling}
         if chat_template is not None:
             body["chat_template"] = chat_template
+        if template_kwargs:  # vLLM, SGLang and llama-server read the template's variables from here
+            body["chat_template_kwargs"] = template_kwargs
         return _reply(self.request("/chat/completions", body), chat=True)
 
 

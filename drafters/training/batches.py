@@ -17,7 +17,8 @@ from drafters.training.schema import Optim
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
     data = recipe.data
     examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,
-                                      fmt=data.fmt, split=data.split, limit=data.limit, reasoning=data.reasoning)
+                                      fmt=data.fmt, split=data.split, limit=data.limit, reasoning=data.reasoning,
+                                      template_kwargs=data.chat_template_kwargs)
     say(report.summary())
     # The split is by data row (a row trained one assistant turn per example keeps all its turns on one side): a
     # permutation by data.seed of the usable rows, so the same file, max_length and limit give the same held-out rows

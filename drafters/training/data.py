@@ -376,26 +376,73 @@ def with_reasoning(tokenizer, messages: list[dict], mode: str = "train") -> tupl
     return out, carried
 
 
-def conversation_tokens(tokenizer, messages: list[dict], *, max_length: int | None = None
-                        ) -> list[tuple[int, Tokens]]:
+def conversation_tokens(tokenizer, messages: list[dict], *, max_length: int | None = None,
+                        template_kwargs: dict | None = None) -> list[tuple[int, Tokens]]:
     """-> [(turn, Tokens)]: [(0, the whole conversation)] where the template renders every assistant turn the same
-    with and without the turns after it (tokenize_conversation). A template that rewrites earlier turns (Qwen3 drops
-    their think blocks) shows the model, when it writes turn i, a history unlike the final rendering: then each
-    assistant turn i is its own example, messages[:i+1] rendered as the serving engine renders it for that turn, with
-    only turn i trained. A template whose generation prompt is not how it renders an answer (and that marks no
-    {% generation %} blocks) cannot place a turn at all: NotPrefixStable, the row is skipped and counted."""
+    with and without the turns after it (tokenize_conversation). Otherwise each assistant turn i is its own example,
+    trained in the context the serving engine renders for it, with only turn i trained:
+    - a template that rewrites earlier turns (Qwen3 drops their think blocks) shows the model, when it writes turn i,
+      a history unlike the final rendering: messages[:i+1] rendered as the engine renders it for that turn;
+    - a template whose generation prompt writes text its rendered answers lack (DeepSeek-R1's `<think>\n`, the empty
+      think block or thought channel of a non-thinking mode): the generation prompt, then what the model writes
+      after it (forced_turn_tokens).
+    A turn neither can place raises NotPrefixStable: the row is skipped and counted. `template_kwargs` go to the
+    template as the engine's chat_template_kwargs do (e.g. {"enable_thinking": true})."""
     try:
-        return [(0, tokenize_conversation(tokenizer, messages, max_length=max_length))]
+        return [(0, tokenize_conversation(tokenizer, messages, max_length=max_length,
+                                          template_kwargs=template_kwargs))]
     except NotPrefixStable:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if len(turns) < 2:
-            raise
-        return [(i, tokenize_conversation(tokenizer, messages[:i + 1], max_length=max_length, last_only=True))
-                for i in turns]
+        return [(i, _turn_tokens(tokenizer, messages[:i + 1], max_length, template_kwargs)) for i in turns]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *,
-                          max_length: int | None = None, last_only: bool = False) -> Tokens:
+def _turn_tokens(tokenizer, messages, max_length, template_kwargs) -> Tokens:
+    try:
+        return tokenize_conversation(tokenizer, messages, max_length=max_length, last_only=True,
+                                     template_kwargs=template_kwargs)
+    except NotPrefixStable as unplaced:
+        return forced_turn_tokens(tokenizer, messages, max_length=max_length, template_kwargs=template_kwargs,
+                                  unplaced=unplaced)
+
+
+def forced_turn_tokens(tokenizer, messages: list[dict], *, max_length: int | None = None,
+                       template_kwargs: dict | None = None, unplaced: NotPrefixStable | None = None) -> Tokens:
+    """The last assistant turn of `messages` for a template whose generation prompt P ends in text (F) that its
+    rendering of the answer lacks: history + P, then what the model writes after P, trained up to the end of turn.
+    The rendered answer A is the turn's rendering after the part it shares with P (the role header). If F opens a
+    think block (DeepSeek-R1: `<think>\n`), the model writes its reasoning and closes the block first:
+    `{reasoning}\n</think>\n\n` + A. Otherwise F closed or skipped the thinking (a non-thinking mode), the model
+    writes A; a turn that carries reasoning then cannot be trained as written: RowError saying what to set."""
+    *history, last = messages
+    block = THINK_BLOCK.match(last["content"])
+    reasoning = last.get("reasoning_content")
+    if reasoning is None and block is not None:
+        reasoning = block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
+    answer = last["content"][block.end():] if block else last["content"]
+    prompt = render(tokenizer, history, add_generation_prompt=True, template_kwargs=template_kwargs)
+    answered = [*history, {"role": "assistant", "content": answer}]
+    header = os.path.commonprefix([prompt, render(tokenizer, answered, template_kwargs=template_kwargs)])
+    turn = _kept_turn(tokenizer, answered, template_kwargs, len(header))
+    forced, written = prompt[len(header):], turn[len(header):]
+    if not forced or not answer.strip() or not written.lstrip().startswith(answer.strip()[:20]):
+        raise unplaced or NotPrefixStable(f"the chat template of {tokenizer.name_or_path!r} renders the answer "
+                                          "somewhere its generation prompt does not lead to")
+    if forced.count("<think>") > forced.count("</think>"):  # the prompt opened a think block: reasoning, then close
+        written = f"{(reasoning or '').strip()}\n</think>\n\n{written.lstrip()}"
+    elif reasoning and reasoning.strip():
+        raise RowError("chat template's generation prompt skips the reasoning",
+                       f"its generation prompt ends in {forced!r}, so the model answers without thinking and this "
+                       "turn's reasoning cannot be trained as it was written; set the template's thinking switch "
+                       "(data.chat_template_kwargs, e.g. {enable_thinking: true}), or data.reasoning=answer_only")
+    text = prompt + written
+    end = _end_of_turn(text, len(prompt), end_of_turn_tokens(tokenizer))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    loss_mask = [int(start < end and stop > len(prompt)) for start, stop in encoding["offset_mapping"]]
+    return _truncate(encoding["input_ids"], loss_mask, max_length)
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, max_length: int | None = None,
+                          last_only: bool = False, template_kwargs: dict | None = None) -> Tokens:
     """Token ids of the rendered conversation; the mask covers each assistant turn's content and
     its end-of-turn token (only the last assistant turn's with last_only), nothing of the prompt, the role headers or
     the default system prompt.
@@ -409,12 +456,12 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *,
         raise RowError("conversation starts with an assistant turn",
                        "no prompt precedes the first assistant turn")
     try:
-        full, spans = assistant_spans(tokenizer, messages, last_only=last_only)
+        full, spans = assistant_spans(tokenizer, messages, last_only=last_only, template_kwargs=template_kwargs)
     except NotPrefixStable:
         if last_only or not GENERATION_TAG.search(tokenizer.chat_template):
             raise
         # not prefix-stable, but the template marks {% generation %} blocks: its own assistant mask
-        return _truncate(*_generation_mask(tokenizer, messages), max_length)
+        return _truncate(*_generation_mask(tokenizer, messages, template_kwargs), max_length)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [int(any(start < end_ and end > start_ for start_, end_ in spans))
                  for start, end in encoding["offset_mapping"]]
@@ -426,33 +473,48 @@ def tokenize_text(tokenizer, text: str, *, max_length: int | None = None) -> Tok
     return _truncate(input_ids, [1] * len(input_ids), max_length)
 
 
-def assistant_spans(tokenizer, messages, last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages, last_only: bool = False, template_kwargs: dict | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character span of every assistant turn (the last one only with
     last_only).
 
-    Turn i spans from the end of the rendering of messages[:i] with the generation prompt (P)
-    to the end-of-turn token inside the rendering of messages[:i+1] (S): the template's
-    trailing newline is not trained, the end-of-turn token is. Raises NotPrefixStable when P is
-    not a prefix of S, or S not a prefix of the full rendering.
+    Turn i spans from the end of the rendering of messages[:i] with the generation prompt (P) to the end-of-turn
+    token inside the rendering of messages[:i+1] (S), cut where the conversation would go on (_kept_turn: text a
+    template appends after the last message only, such as Phi-3's eos after <|end|>, is never generated): the
+    template's trailing newline is not trained, the end-of-turn token is. Raises NotPrefixStable when P is not a
+    prefix of S, or S not a prefix of the full rendering.
     """
-    full = render(tokenizer, messages)
+    full = render(tokenizer, messages, template_kwargs=template_kwargs)
     end_tokens = end_of_turn_tokens(tokenizer)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or (last_only and i != len(messages) - 1):
             continue
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
-        turn = render(tokenizer, messages[: i + 1])
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, template_kwargs=template_kwargs)
+        turn = _kept_turn(tokenizer, messages[: i + 1], template_kwargs, len(prompt))
         if not (turn.startswith(prompt) and full.startswith(turn)):
             raise NotPrefixStable(_prefix_problem(tokenizer, i, prompt, turn, full))
         spans.append((len(prompt), _end_of_turn(turn, len(prompt), end_tokens)))
     return full, spans
 
 
-def render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
+def _kept_turn(tokenizer, messages, template_kwargs, start: int) -> str:
+    # The rendering of messages (ending in an assistant turn whose text starts at `start`) as far as it stays when a
+    # user turn follows, if the turn's end-of-turn token is in that part: what the template writes only after the
+    # conversation's last message is not part of the turn.
+    turn = render(tokenizer, messages, template_kwargs=template_kwargs)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        going_on = render(tokenizer, [*messages, {"role": "user", "content": "..."}], template_kwargs=template_kwargs)
+    except RowError:
+        return turn
+    kept = os.path.commonprefix([turn, going_on])
+    return kept if any(token in kept[start:] for token in end_of_turn_tokens(tokenizer)) else turn
+
+
+def render(tokenizer, messages, add_generation_prompt: bool = False, template_kwargs: dict | None = None) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
     except jinja2.TemplateError as err:  # e.g. raise_exception("roles must alternate")
         raise RowError("chat template rejected the conversation", str(err)) from err
 
@@ -487,9 +549,9 @@ def _prefix_problem(tokenizer, i: int, prompt: str, turn: str, full: str) -> str
             "blocks around assistant content; add them, or train on a plain-text dataset (fmt=text)")
 
 
-def _generation_mask(tokenizer, messages) -> tuple[list[int], list[int]]:
+def _generation_mask(tokenizer, messages, template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
+                                        return_assistant_tokens_mask=True, **(template_kwargs or {}))
     return list(out["input_ids"]), list(out["assistant_masks"])
 
 
@@ -505,8 +567,8 @@ def _truncate(input_ids: list[int], loss_mask: list[int], max_length: int | None
 
 
 def build_examples(tokenizer, path_or_name: str, *, max_length: int, fmt: str = "auto",
-                   split: str = "train", limit: int | None = None, reasoning: str = "train"
-                   ) -> tuple[list[Example], SkipReport]:
+                   split: str = "train", limit: int | None = None, reasoning: str = "train",
+                   template_kwargs: dict | None = None) -> tuple[list[Example], SkipReport]:
     """Examples of every usable row (one per row, or one per assistant turn: conversation_tokens), and the report
     of what was read, skipped, truncated and done with reasoning (`reasoning`: with_reasoning's mode)."""
     if reasoning not in REASONING:
@@ -521,7 +583,8 @@ def build_examples(tokenizer, path_or_name: str, *, max_length: int, fmt: str = 
                 turns = [(0, tokenize_text(tokenizer, conversation.text, max_length=max_length))]
             else:
                 messages, carried = with_reasoning(tokenizer, conversation.messages, reasoning)
-                turns = conversation_tokens(tokenizer, messages, max_length=max_length)
+                turns = conversation_tokens(tokenizer, messages, max_length=max_length,
+                                            template_kwargs=template_kwargs)
                 report.reasoning_turns += carried
         except RowError as err:
             report.skip(err.reason, where, err.detail)

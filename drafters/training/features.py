@@ -57,8 +57,10 @@ from drafters.training.batches import LengthBuckets, num_tokens
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
 RANK_INDEX = "index-rank{rank}.json"  # the shards one of several writing processes finished
-DATA_FIELDS = ("fmt", "split", "max_length", "limit", "reasoning")  # shape the stored rows; eval_*, seed split them
-DATA_ADDED = {"reasoning": "train"}  # data fields added since stores were first written: theirs held this value
+# shape the stored rows; eval_*, seed split them
+DATA_FIELDS = ("fmt", "split", "max_length", "limit", "reasoning", "chat_template_kwargs")
+# data fields added since stores were first written: theirs held this value
+DATA_ADDED = {"reasoning": "train", "chat_template_kwargs": None}
 TARGET_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings",
                  "dtype")
 STORED_VALUES = ("features", "label_hidden")  # per-token tensors a shard may hold, besides tokens and masks

@@ -71,6 +71,9 @@ class Recipe:
     max_prompt_length: int = 2048  # tokens; a longer prompt ends its conversation there
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    # variables for the chat template (rendered here, or sent as chat_template_kwargs with api=chat): e.g.
+    # {enable_thinking: true}, so that a thinking model reasons and its reasoning is kept
+    chat_template_kwargs: dict | None = None
     report: str | None = None  # also write this run's counts and tokens/s here as JSON
     seed: int = 0  # server: conversation c's turn k is sampled with seed + k + a hash of c's id
     engine: Literal["auto", "server", "llama-server", "in-process"] = "auto"  # see the module docstring
@@ -275,7 +278,8 @@ def probe(client: OpenAIServer, model: str, target, recipe: Recipe, where: str) 
     tokenizer, agree, total, gaps = target.tokenizer, 0, 0, []
     for question in PROBE_QUESTIONS:
         messages = [{"role": "user", "content": question}]
-        prompt = tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(render(tokenizer, messages, add_generation_prompt=True,
+                                  template_kwargs=recipe.chat_template_kwargs), add_special_tokens=False)["input_ids"]
         greedy = {"temperature": 0.0, "max_tokens": PROBE_TOKENS}
         extras = {"logprobs": 1, "return_tokens_as_token_ids": True}  # ids and log-probs where the server gives them
         try:
@@ -319,7 +323,8 @@ def probe(client: OpenAIServer, model: str, target, recipe: Recipe, where: str) 
 def ask(client: OpenAIServer, model: str, recipe: Recipe, target, messages: list[dict], prompt: list[int],
         settings: dict):
     if recipe.api == "chat":
-        return client.chat(model, messages, settings, chat_template=target.tokenizer.chat_template)
+        return client.chat(model, messages, settings, chat_template=target.tokenizer.chat_template,
+                           template_kwargs=recipe.chat_template_kwargs)
     return client.complete(model, prompt, settings)
 
 
@@ -436,7 +441,7 @@ def converse(client: OpenAIServer, model: str, target, conversation, recipe: Rec
     history, tokens, cut, turn, seed = [], 0, 0, 0, row_seed(recipe, conversation.id)
     while turns := next_user_turn(pending):
         with stats.lock:  # the tokenizer and the counters are shared by the workers
-            prompt = prompt_ids(target.tokenizer, history + turns, stats)
+            prompt = prompt_ids(target.tokenizer, history + turns, stats, recipe.chat_template_kwargs)
             if prompt is not None and len(prompt) > recipe.max_prompt_length:
                 stats.skipped["prompt longer than max_prompt_length (conversation ends before it)"] += 1
                 prompt = None
@@ -526,7 +531,7 @@ def regenerate_batch(target, conversations, recipe: Recipe, eos_ids: list[int], 
             turns = next_user_turn(pending)
             if not turns:
                 continue
-            prompt = prompt_ids(target.tokenizer, histories[i] + turns, stats)  # None: counted
+            prompt = prompt_ids(target.tokenizer, histories[i] + turns, stats, recipe.chat_template_kwargs)  # None: counted
             if prompt is not None and len(prompt) > recipe.max_prompt_length:
                 stats.skipped["prompt longer than max_prompt_length (conversation ends before it)"] += 1
                 prompt = None
@@ -555,9 +560,9 @@ def next_user_turn(pending: list[dict]) -> list[dict]:
     return []
 
 
-def prompt_ids(tokenizer, messages: list[dict], stats: Stats) -> list[int] | None:
+def prompt_ids(tokenizer, messages: list[dict], stats: Stats, template_kwargs: dict | None = None) -> list[int] | None:
     try:
-        text = render(tokenizer, messages, add_generation_prompt=True)
+        text = render(tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs)
     except RowError as err:
         stats.skipped[err.reason] += 1
         return None

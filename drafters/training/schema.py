@@ -30,6 +30,9 @@ class Data:
     # assistant turns' reasoning (reasoning_content, or a leading <think> block): "train" = as the model emits it,
     # a think block before the answer; "answer_only" = dropped, the answer alone is trained (said in the data report)
     reasoning: Literal["train", "answer_only"] = "train"
+    # variables for the chat template, as a serving engine's chat_template_kwargs: the thinking switch of a model
+    # that has one ({enable_thinking: true} for Qwen3 / DeepSeek-R1-style templates), so turns render as served
+    chat_template_kwargs: dict | None = None
 
     def problems(self) -> list[str]:
         found = []
