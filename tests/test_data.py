@@ -165,7 +165,9 @@ def test_truncation_is_counted_and_fully_truncated_rows_skipped(tmp_path, tokeni
     ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]},
      "missing content", "conversations[0].value"),
     ({"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]},
-     "non-string content", "messages[0].content is list"),
+     "non-text content part", "messages[0].content[0] is 'str'"),
+    ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]},
+     "non-string content", "messages[0].content is int"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "x"}]},
      "unknown role", "messages[1].role = 'bot'"),
     ({"conversations": [{"from": "human", "value": "a"}]}, "no assistant turn", "[user]"),
@@ -446,3 +448,35 @@ def test_the_split_keeps_a_rows_turns_together(tmp_path):
     train_rows, held_out = load_examples(recipe, SimpleNamespace(tokenizer=thinking_tokenizer()), lambda *_: None)
     assert len(held_out) == 10 and len(train_rows) == 30  # 5 and 15 rows, two examples each
     assert not {e.row for e in held_out} & {e.row for e in train_rows}
+
+
+TOOL_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "assistant", "content": "18C."}]}
+
+
+def test_content_parts_are_joined_and_other_parts_are_counted_skips(tmp_path, tokenizer):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}]}
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                          {"role": "assistant", "content": "A cat."}]}
+    examples, report = build_examples(tokenizer, write_jsonl(tmp_path / "p.jsonl", [parts, image]), max_length=512)
+    assert len(examples) == 1 and masked_runs(tokenizer, examples[0].input_ids, examples[0].loss_mask) == [
+        "Hello!<|im_end|>"]
+    assert "user\nHi there<|im_end|>" in tokenizer.decode(examples[0].input_ids, skip_special_tokens=False)
+    assert "skipped 1 x non-text content part" in report.summary() and "messages[0].content[0] is 'image_url'" in (
+        report.summary())
+
+
+def test_tool_calls_under_a_template_without_tool_support_are_a_counted_skip(tmp_path, tokenizer):
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    bad = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"type": "function"}]}]}
+    examples, report = build_examples(tokenizer, write_jsonl(tmp_path / "t.jsonl", [TOOL_ROW, plain, bad]),
+                                      max_length=512)
+    assert [e.row for e in examples] == [2]
+    summary = report.summary()
+    assert "skipped 1 x tool calls but the chat template renders none" in summary
+    assert "skipped 1 x bad tool calls" in summary and "messages[1].tool_calls[0] has no function.name" in summary

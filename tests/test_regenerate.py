@@ -212,3 +212,14 @@ def test_the_templates_variables_render_the_prompt(tmp_path):
     thinking = tokenizer.decode(prompt_ids(tokenizer, messages, Stats(), {"enable_thinking": True}))
     plain = tokenizer.decode(prompt_ids(tokenizer, messages, Stats()))
     assert thinking == plain + "<think>\n" and plain.endswith("assistant\n")
+
+
+def test_tool_call_conversations_are_a_counted_skip(regenerate, tmp_path):
+    from test_data import TOOL_ROW
+
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps({"id": "tool", **TOOL_ROW}) + "\n" + json.dumps(
+        {"id": "plain", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    stats = regenerate.main([RECIPE, f"data={data}", f"output={tmp_path / 'out.jsonl'}"])
+    assert stats.written == 1 and [r["id"] for r in read_rows(tmp_path / "out.jsonl")] == ["plain"]
+    assert stats.skipped == {"tool calls (their results depend on the calls; train on the row as it is)": 1}

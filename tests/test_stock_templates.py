@@ -100,3 +100,30 @@ def test_the_mask_is_exactly_what_the_model_writes(case, tmp_path):
         examples, report = build_examples(tokenizer, path, max_length=4096, template_kwargs=kwargs)
         assert len(examples) == count and report.kept == 1
         assert [run for e in examples for run in masked_runs(tokenizer, e.input_ids, e.loss_mask)] == expected
+
+
+TOOL_CHAT = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "18C, sunny"},
+    {"role": "assistant", "content": "It is 18C and sunny."},
+]
+
+
+@pytest.mark.parametrize("case, expected", [
+    # Qwen3 writes its call in a tool_call block (after the empty think block of a turn without reasoning); the
+    # tool's result is rendered in the context, never trained
+    ("Qwen-Qwen3-0.6B", ['<think>\n\n</think>\n\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+                         '</tool_call><|im_end|>', "<think>\n\n</think>\n\nIt is 18C and sunny.<|im_end|>"]),
+    ("meta-llama-Llama-3.1-8B-Instruct", ['{"name": "weather", "parameters": "{\\"city\\": \\"Paris\\"}"}<|eot_id|>',
+                                          "It is 18C and sunny.<|eot_id|>"]),
+])
+def test_tool_calls_and_content_parts_render_through_the_templates_tool_support(case, expected, tmp_path):
+    eos, specials, *_ = CASES[case]
+    tokenizer = stock_tokenizer(case, eos, specials)
+    examples, report = build_examples(tokenizer, write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT}]),
+                                      max_length=4096)
+    assert [run for e in examples for run in masked_runs(tokenizer, e.input_ids, e.loss_mask)] == expected
+    assert "Weather in Paris?" in tokenizer.decode(examples[-1].input_ids) and "18C, sunny" in tokenizer.decode(
+        examples[-1].input_ids)

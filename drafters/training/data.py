@@ -41,7 +41,7 @@ FORMATS = ("auto", "sharegpt", "openai", "text", "prompt")
 ROLES = {
     "sharegpt": {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                  "assistant": "assistant", "chatgpt": "assistant"},
-    "openai": {"system": "system", "user": "user", "assistant": "assistant"},
+    "openai": {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"},
 }
 TURN_KEYS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 LOCAL_SUFFIXES = (".json", ".jsonl")
@@ -305,13 +305,15 @@ def _parse_turns(row: dict, fmt: str) -> list[dict[str, str]]:
         if role not in roles:
             raise RowError("unknown role", f"{where}.{role_key} = {role!r}; expected one of "
                            f"{', '.join(roles)} (fmt={fmt})")
-        if content_key not in turn or turn[content_key] is None:
+        tool_calls = turn.get("tool_calls") if roles[role] == "assistant" else None
+        if (content_key not in turn or turn[content_key] is None) and not tool_calls:
             raise RowError("missing content", f"{where}.{content_key} is missing")
-        content = turn[content_key]
-        if not isinstance(content, str):
-            raise RowError("non-string content",
-                           f"{where}.{content_key} is {type(content).__name__}, not a string")
+        content = _text_content(turn.get(content_key) or "", f"{where}.{content_key}")
         message = {"role": roles[role], "content": content}
+        if tool_calls:
+            message["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
+        if roles[role] == "tool":  # a tool's result: rendered by the template's tool support, never trained
+            message.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
         reasoning = turn.get("reasoning_content", turn.get("reasoning"))  # OpenAI-compatible servers' names
         if reasoning is not None and roles[role] == "assistant":
             if not isinstance(reasoning, str):
@@ -320,6 +322,41 @@ def _parse_turns(row: dict, fmt: str) -> list[dict[str, str]]:
             message["reasoning_content"] = reasoning
         messages.append(message)
     return messages
+
+
+def _text_content(content, where: str) -> str:
+    # a string, or OpenAI content parts: text parts joined in order; any other part (an image) is not trainable text
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RowError("non-string content", f"{where} is {type(content).__name__}, not a string or content parts")
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RowError("non-text content part", f"{where}[{j}] is {kind!r}; drafters train on text parts "
+                           "({'type': 'text', 'text': ...}) only")
+    return "".join(part["text"] for part in content)
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    # OpenAI tool calls: [{"type": "function", "function": {"name": str, "arguments": str or object}}, ...]
+    if not isinstance(calls, list):
+        raise RowError("bad tool calls", f"{where} is {type(calls).__name__}, not a list")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise RowError("bad tool calls", f"{where}[{j}] has no function.name (OpenAI format: "
+                           "{'type': 'function', 'function': {'name': ..., 'arguments': ...}})")
+    return calls
+
+
+def _check_tool_support(tokenizer, messages: list[dict]) -> None:
+    # a template without tool-call support would render tool calls as nothing (or fail): a counted skip instead
+    uses_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if uses_tools and "tool_calls" not in (tokenizer.chat_template or ""):
+        raise RowError("tool calls but the chat template renders none",
+                       f"the chat template of {tokenizer.name_or_path!r} has no tool-call support (no tool_calls in "
+                       "it), so these turns cannot be rendered as the model sees them")
 
 
 def _string_field(row: dict, key: str) -> str:
@@ -365,14 +402,15 @@ def with_reasoning(tokenizer, messages: list[dict], mode: str = "train") -> tupl
         answer = message["content"][block.end():] if block else message["content"]
         if reasoning is None:  # the block's text, without its tags
             reasoning = block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
+        rest = {k: v for k, v in message.items() if k not in ("content", "reasoning_content")}  # tool calls
         if mode == "answer_only":
-            out.append({"role": "assistant", "content": answer})
+            out.append({**rest, "content": answer})
         elif renders_field:
-            out.append({"role": "assistant", "content": answer, "reasoning_content": reasoning.strip("\n")})
+            out.append({**rest, "content": answer, "reasoning_content": reasoning.strip("\n")})
         elif message.get("reasoning_content") is None:  # the content is the model's text, its think block included
-            out.append({"role": "assistant", "content": message["content"]})
+            out.append({**rest, "content": message["content"]})
         else:
-            out.append({"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{answer}"})
+            out.append({**rest, "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{answer}"})
     return out, carried
 
 
@@ -420,7 +458,8 @@ def forced_turn_tokens(tokenizer, messages: list[dict], *, max_length: int | Non
         reasoning = block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
     answer = last["content"][block.end():] if block else last["content"]
     prompt = render(tokenizer, history, add_generation_prompt=True, template_kwargs=template_kwargs)
-    answered = [*history, {"role": "assistant", "content": answer}]
+    answered = [*history, {**{k: v for k, v in last.items() if k not in ("content", "reasoning_content")},
+                           "content": answer}]
     header = os.path.commonprefix([prompt, render(tokenizer, answered, template_kwargs=template_kwargs)])
     turn = _kept_turn(tokenizer, answered, template_kwargs, len(header))
     forced, written = prompt[len(header):], turn[len(header):]
@@ -452,6 +491,7 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, max_leng
                         "conversations cannot be rendered: use a plain-text dataset ({'text': ...} "
                         "rows, fmt=text) or set tokenizer.chat_template")
     _check_has_assistant(messages)
+    _check_tool_support(tokenizer, messages)
     if messages[0]["role"] == "assistant":
         raise RowError("conversation starts with an assistant turn",
                        "no prompt precedes the first assistant turn")
@@ -517,6 +557,8 @@ def render(tokenizer, messages, add_generation_prompt: bool = False, template_kw
                                              **(template_kwargs or {}))
     except jinja2.TemplateError as err:  # e.g. raise_exception("roles must alternate")
         raise RowError("chat template rejected the conversation", str(err)) from err
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # the template's own code failed on this row
+        raise RowError("chat template failed on the conversation", f"{type(err).__name__}: {err}") from err
 
 
 def end_of_turn_tokens(tokenizer) -> list[str]:

@@ -517,6 +517,10 @@ def select_todo(conversations, done: set[str], stats: Stats) -> list:
         if not any(m["role"] == "user" for m in conversation.messages):
             stats.skipped["no user turn"] += 1
             continue
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in conversation.messages):
+            # the tools' results answer the calls in the data, not the calls the target would make
+            stats.skipped["tool calls (their results depend on the calls; train on the row as it is)"] += 1
+            continue
         todo.append(conversation)
     return todo
 
