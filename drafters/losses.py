@@ -244,6 +244,15 @@ class FusedLinearHead(nn.Linear):
                                          tv_weight=tv_weight, divergence=divergence)
 
 
+def chunked_draft_vocab_targets(drafter, target_logits, needed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`draft_vocab_targets` at the rows where `needed` (B, T) bool, computed LABEL_CHUNK_ROWS rows at a time
+    (label_chunks): the target's logits are never held at all N rows at once, only the (N, Vd) labels are.
+    -> target_p (N, Vd) float32, in_vocab (N,) bool, argmax_draft (N,) long, in the order of needed's True rows."""
+    parts = [draft_vocab_targets(logits, drafter.t2d, drafter.config.draft_vocab_size)  # (c, Vd), (c,) x2
+             for logits in label_chunks(target_logits, needed)]
+    return tuple(torch.cat(part) for part in zip(*parts))
+
+
 def supervised_targets(drafter, target_logits, loss_mask: Tensor
                        ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """The target side of the EAGLE-3 / P-EAGLE loss, at the rows some TTT step (or P-EAGLE slot) scores: row r (label of step i at
@@ -252,9 +261,7 @@ def supervised_targets(drafter, target_logits, loss_mask: Tensor
         rows (B, T) long: index of row r into the two tensors below, -1 where never scored
         target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
     needed = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1).bool()  # (B, T): loss_mask[r+1]
-    parts = [draft_vocab_targets(logits, drafter.t2d, drafter.config.draft_vocab_size)  # (c, Vd), (c,) x2
-             for logits in label_chunks(target_logits, needed)]
-    target_p, in_vocab, argmax_draft = (torch.cat(part) for part in zip(*parts))  # (N', Vd), (N',) x2
+    target_p, in_vocab, argmax_draft = chunked_draft_vocab_targets(drafter, target_logits, needed)
     scored = torch.zeros_like(needed)
     scored[needed] = in_vocab  # (B, T)
     rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)

@@ -208,6 +208,32 @@ def test_fused_loss_equals_the_logits_path_and_a_hand_computation(setup):
     assert not torch.isclose(hard.loss, plain.loss) and hard.loss > 0
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_label_side_in_chunks_gives_the_same_loss_and_gradients(setup, rows, monkeypatch):
+    # the target's full-vocabulary logits at the supervised rows are computed `rows` at a time (LabelLogits through
+    # drafters.losses.label_chunks), never all at once: the loss and every gradient equal the whole tensor's
+    import drafters.losses as losses
+    from drafters.losses import LabelLogits
+
+    model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
+    embed = model.get_input_embeddings()
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1].detach()
+
+    def loss_and_grads(target_logits):
+        drafter.zero_grad()
+        out = block_loss(drafter, features, ids, target_logits, loss_mask, embed, anchors, keep)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = loss_and_grads(logits)
+    monkeypatch.setattr(losses, "LABEL_CHUNK_ROWS", rows)
+    chunked, chunked_grads = loss_and_grads(LabelLogits(hidden, model.get_output_embeddings()))
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    assert whole_grads.keys() == chunked_grads.keys() and whole_grads
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6)
+
+
 def test_state_dict_names_are_the_serving_names(setup):
     drafter = setup[1]
     layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
