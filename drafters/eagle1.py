@@ -90,6 +90,10 @@ class FrozenHead:
         return cls(target.lm_head, target.final_norm if feature == "pre_norm" else None, softcap,
                    logit_scale(target.config))
 
+    @property
+    def out_features(self) -> int:  # V, as nn.Linear names it
+        return self.lm_head.weight.shape[0]
+
     def __call__(self, x: Tensor) -> Tensor:
         x = x.to(self.lm_head.weight.dtype)  # a float32 drafter on a bf16 target
         if self.final_norm is not None:

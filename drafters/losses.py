@@ -27,20 +27,23 @@ class LabelLogits:  # not drafters.heads.HeadRows (which rows train which Medusa
         return self.head(self.hidden[mask])
 
 
-LABEL_CHUNK_ROWS = 1024  # target logits rows held at once: (1024, V) is 0.5 GB at V = 128k in float32
+LABEL_CHUNK_ELEMENTS = 2**24  # target logits held at once: (rows, V) with rows * V <= 2^24, 64 MB in float32
+LABEL_CHUNK_ROWS: int | None = None  # a fixed row count instead (tests); None: LABEL_CHUNK_ELEMENTS // V
 
 
 def label_chunks(target_logits, mask: Tensor, rows: int | None = None):
     """target_logits[mask] (N, V) as consecutive (<= rows, V) pieces, so the label side never holds the target's
     logits at all N rows at once: a LabelLogits computes each piece from its hidden rows (the head applied per
-    piece), a logits tensor is sliced. Every row's values are those of the whole (N, V) tensor."""
-    rows = rows or LABEL_CHUNK_ROWS
+    piece), a logits tensor is sliced. Every row's values are those of the whole (N, V) tensor. The piece is
+    LABEL_CHUNK_ELEMENTS large whatever V: 128 rows at V = 128k, 512 at 32k."""
     if isinstance(target_logits, LabelLogits):
         hidden = target_logits.hidden[mask]  # (N, h)
+        rows = rows or LABEL_CHUNK_ROWS or max(1, LABEL_CHUNK_ELEMENTS // target_logits.head.out_features)
         for start in range(0, max(len(hidden), 1), rows):
             yield target_logits.head(hidden[start:start + rows])
     else:
         selected = target_logits[mask]  # (N, V)
+        rows = rows or LABEL_CHUNK_ROWS or max(1, LABEL_CHUNK_ELEMENTS // target_logits.shape[-1])
         for start in range(0, max(len(selected), 1), rows):
             yield selected[start:start + rows]
 

@@ -131,6 +131,19 @@ def test_the_label_side_in_chunks_equals_it_whole(rows, monkeypatch):
     assert len(list(losses.label_chunks(LabelLogits(hidden, head), loss_mask.bool()))) == -(-int(loss_mask.sum()) // rows)
 
 
+def test_a_label_chunk_holds_the_same_number_of_logits_whatever_the_vocabulary(monkeypatch):
+    # rows per chunk = LABEL_CHUNK_ELEMENTS // V: the label side's transient (rows, V) does not grow with V
+    import drafters.losses as losses
+
+    monkeypatch.setattr(losses, "LABEL_CHUNK_ELEMENTS", 200)
+    hidden, mask = torch.randn(1, 30, 4), torch.ones(1, 30, dtype=torch.bool)
+    for vocab, rows in ((50, 4), (100, 2), (400, 1)):
+        head = torch.nn.Linear(4, vocab, bias=False)
+        for labels in (LabelLogits(hidden, head), head(hidden)):
+            sizes = [len(chunk) for chunk in losses.label_chunks(labels, mask)]
+            assert sizes[:-1] == [rows] * (len(sizes) - 1) and sum(sizes) == 30
+
+
 # ---- the divergences a drafter can train with (recipe field `divergence`) --------------------------------
 
 
