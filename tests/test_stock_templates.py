@@ -3,7 +3,8 @@ source (`models/templates/*.jinja`, in the llama-cpp-python sdist the project bu
 the tiny tokenizer with that model's end-of-turn and role tokens added as special tokens. For a two-turn
 conversation with reasoning and one without, the mask must be exactly what the model writes after its generation
 prompt: the reasoning where the template lets the model think, the answer, and the end-of-turn token; never a role
-header, a forced prompt, or text the template appends after the last message (Phi-3's eos)."""
+header, a forced prompt, or text the template appends after the last message (Phi-3's eos). A template that
+cannot render a turn's reasoning makes the row a counted skip that says what to set."""
 
 import os
 
@@ -21,6 +22,7 @@ if not TEMPLATES.is_dir() and not os.environ.get("DRAFTERS_REQUIRE_LLAMA_CPP"):
 PLAIN_CHAT = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
               {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
 R1 = ("<｜end▁of▁sentence｜>", ["<｜User｜>", "<｜Assistant｜>"])
+SKIPS_REASONING = "(?s)skipped 1 x chat template's generation prompt skips the reasoning.*enable_thinking"
 
 
 # template file: (eos, other special tokens, chat_template_kwargs, examples per row (reasoned, plain),
@@ -42,7 +44,7 @@ CASES = {
                                                  ["\n</think>\n\nHello!<｜end▁of▁sentence｜>",
                                                   "\n</think>\n\n4.<｜end▁of▁sentence｜>"]),
     # the same family with a thinking switch: off by default (the prompt closes the block), on by the kwargs
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (*R1, None, (0, 2), "generation prompt skips the reasoning",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (*R1, None, (0, 2), SKIPS_REASONING,
                                                  ["Hello!<｜end▁of▁sentence｜>", "4.<｜end▁of▁sentence｜>"]),
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B+thinking": (*R1, {"enable_thinking": True}, (2, 2),
                                                           ["Greet back.\n</think>\n\nHello!<｜end▁of▁sentence｜>",
@@ -64,7 +66,11 @@ CASES = {
                              ["Hello!<end_of_turn>", "4.<end_of_turn>"]),
     # Gemma-4 without its thinking switch: the prompt writes an empty thought channel, the model answers after it
     "google-gemma-4-31B-it": ("<turn|>", ["<|turn>", "<|channel>", "<channel|>"], None, (0, 2),
-                              "generation prompt skips the reasoning", ["Hello!<turn|>", "4.<turn|>"]),
+                              SKIPS_REASONING, ["Hello!<turn|>", "4.<turn|>"]),
+    # Kimi-K2-Thinking renders even the newest turn without its reasoning: a counted skip, never a silent drop
+    "Kimi-K2-Thinking": ("<|im_end|>", ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"], None,
+                         (0, 1), "(?s)skipped 1 x chat template drops the reasoning.*data.reasoning=answer_only",
+                         ["<think></think>Hello!<|im_end|>", "<think></think>4.<|im_end|>"]),
     "mistralai-Mistral-Nemo-Instruct-2407": ("</s>", ["[INST]", "[/INST]"], None, (1, 1),
                                              ["<think>\nGreet back.\n</think>\n\nHello!</s>",
                                               "<think>\nAdd them.\n</think>\n\n4.</s>"],
@@ -94,7 +100,7 @@ def test_the_mask_is_exactly_what_the_model_writes(case, tmp_path):
     for chat, expected, count in ((REASONED_CHAT, reasoned, counts[0]), (PLAIN_CHAT, plain, counts[1])):
         path = write_jsonl(tmp_path / "row.jsonl", [{"messages": chat}])
         if isinstance(expected, str):  # a counted skip that says what to set, never a silent drop
-            with pytest.raises(DataError, match=f"(?s)skipped 1 x chat template's {expected}.*enable_thinking"):
+            with pytest.raises(DataError, match=expected):
                 build_examples(tokenizer, path, max_length=4096, template_kwargs=kwargs)
             continue
         examples, report = build_examples(tokenizer, path, max_length=4096, template_kwargs=kwargs)

@@ -534,8 +534,23 @@ def assistant_spans(tokenizer, messages, last_only: bool = False, template_kwarg
         turn = _kept_turn(tokenizer, messages[: i + 1], template_kwargs, len(prompt))
         if not (turn.startswith(prompt) and full.startswith(turn)):
             raise NotPrefixStable(_prefix_problem(tokenizer, i, prompt, turn, full))
-        spans.append((len(prompt), _end_of_turn(turn, len(prompt), end_tokens)))
+        end = _end_of_turn(turn, len(prompt), end_tokens)
+        reasoning = _reasoning_of(message)
+        if reasoning and reasoning not in turn[len(prompt):end]:
+            raise RowError("chat template drops the reasoning",
+                           f"assistant turn {i} carries reasoning that the chat template of "
+                           f"{tokenizer.name_or_path!r} does not render in that turn, so it cannot be trained as the "
+                           "model wrote it; set data.reasoning=answer_only to train the answers alone")
+        spans.append((len(prompt), end))
     return full, spans
+
+
+def _reasoning_of(message: dict) -> str | None:
+    # the reasoning an assistant turn carries (with_reasoning's output: the field, or a leading think block)
+    if message.get("reasoning_content"):
+        return message["reasoning_content"].strip() or None
+    block = THINK_BLOCK.match(message.get("content") or "") if message["role"] == "assistant" else None
+    return block.group(0).strip().removeprefix("<think>").removesuffix("</think>").strip() or None if block else None
 
 
 def _kept_turn(tokenizer, messages, template_kwargs, start: int) -> str:
