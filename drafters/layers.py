@@ -21,7 +21,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 def target_layer_fields(config) -> dict:
     """A target's HF config -> the layer fields every drafter config holds (vocab and positions: the target's)."""
     cfg = config.get_text_config()
-    rope = dict(cfg.rope_parameters)  # transformers 5.x keeps theta and scaling here
+    # transformers 5.x keeps theta and scaling here; a target without rotary positions (Nemotron-H's attention
+    # layers) still gets a rotary drafter, at Llama's default theta
+    rope = dict(getattr(cfg, "rope_parameters", None) or {"rope_theta": 10000.0})
     rope = dict(rope.get("full_attention", rope))  # Gemma-3: per layer type; drafter = full
     rope_theta = rope.pop("rope_theta")
     if "type" in rope:  # the legacy name of rope_type (Ministral-3 configs carry both): one name, as engines write it
@@ -38,8 +40,20 @@ def target_layer_fields(config) -> dict:
         rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None) or 1e-6,
         rope_theta=rope_theta,
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-        hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,  # Gemma names
+        hidden_act=drafter_activation(cfg),
     )
+
+
+def drafter_activation(cfg) -> str:
+    """The MLP activation of the drafter's layer: the target's (Gemma names it hidden_activation), unless it has
+    weights of its own (Apertus' xIELU: a per-layer learnt shape, which no engine's drafter layer holds) or the config
+    names none (LFM2's SwiGLU): then Llama's silu."""
+    from transformers.activations import ACT2FN
+
+    act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+    if not isinstance(act, str) or act not in ACT2FN or any(True for _ in ACT2FN[act].parameters()):
+        return "silu"
+    return act
 
 
 def head_dim_of(cfg) -> int:

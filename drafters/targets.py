@@ -128,8 +128,16 @@ def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
     return next((c for c in candidates if c is not None and hasattr(c, "layers")), model.base_model)
 
 
+FINAL_NORM_NAMES = ("norm", "norm_f", "embedding_norm")  # Llama and most; Nemotron-H; LFM2 (applied after the layers)
+
+
 def final_norm_of(model: PreTrainedModel) -> torch.nn.Module:
-    return decoder_of(model).norm  # Llama and Gemma-3 alike
+    decoder = decoder_of(model)
+    for name in FINAL_NORM_NAMES:
+        if isinstance(getattr(decoder, name, None), torch.nn.Module):
+            return getattr(decoder, name)
+    raise NotImplementedError(f"{type(decoder).__name__} has none of the final norms this project knows "
+                              f"({', '.join(FINAL_NORM_NAMES)}): its labels and features cannot be read")
 
 
 @dataclass

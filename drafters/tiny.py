@@ -132,6 +132,24 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "granite_hybrid": ("GraniteMoeHybridConfig", {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
                                                    "mamba_n_groups": 1, "num_local_experts": 0, "layers_block_type": ["mamba", "attention"] * 4,
                                                    "shared_intermediate_size": 128}),
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "ernie4_5": ("Ernie4_5Config", {}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
+    "apertus": ("ApertusConfig", {}),  # xIELU activations
+    "arcee": ("ArceeConfig", {}),
+    "lfm2": ("Lfm2Config", {"full_attn_idxs": [2, 5, 7]}),  # short-convolution layers between attention
+    "olmo_hybrid": ("OlmoHybridConfig", {}),  # gated DeltaNet beside attention
+    "nemotron_h": ("NemotronHConfig", {"layers_block_type": ["mamba", "attention", "mlp", "mamba", "moe", "attention",
+                                                             "mamba", "mlp"], "ssm_state_size": 16,
+                                       "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1,
+                                       "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "moe_shared_expert_intermediate_size": 32}),
+    "deepseek_v32": ("DeepseekV32Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                                           "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                           "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                                           "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+                                           "num_key_value_heads": 4}),  # the sparse-attention indexer
 }
 
 

@@ -15,7 +15,9 @@ matrix = load_script("eval/architectures.py")
 # eval/architectures.py's): multi-head latent attention with
 # experts, chunked attention (and a causal LM whose base_model is not its decoder), per-layer head sizes, a LayerNorm
 # target with a logit scale, a legacy rope `type` key, hybrid linear attention (chains with state snapshots)
-KINDS = ["deepseek_v3", "llama4", "gemma4", "cohere", "ministral3", "qwen3_next"]
+# ... and an activation with weights of its own (Apertus' xIELU), a final norm named norm_f and a config without
+# rotary positions (Nemotron-H)
+KINDS = ["deepseek_v3", "llama4", "gemma4", "cohere", "ministral3", "qwen3_next", "apertus", "nemotron_h"]
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
@@ -30,6 +32,14 @@ def test_soft_labels_are_the_models_own_distribution(arch, tmp_path):
 def test_an_architecture_trains_decodes_and_exports(arch, tmp_path):
     result = matrix.run_steps(arch, "eagle3", tmp_path)
     assert result == {step: "ok" for step in matrix.STEPS}
+
+
+def test_a_layout_the_decoder_cannot_verify_is_refused_in_one_sentence(tmp_path):
+    # DeepSeek-V3.2's sparse-attention indexer keeps a cache of its own: trains and exports, decoding refused
+    result = matrix.run_steps("deepseek_v32", "eagle3", tmp_path)
+    assert result.pop("decode").startswith("refused (NotImplementedError): decoding: DeepseekV32ForCausalLM has "
+                                           "indexed_attention layers, which this decoder cannot verify")
+    assert result == {"labels": "ok", "train": "ok", "export": "ok"}
 
 
 def test_tau_on_a_hybrid_target_verifies_chains_and_says_so(tmp_path, capsys):

@@ -17,7 +17,9 @@ from drafters.tiny import build_tiny_architecture
 from test_decoding import ReferenceProposer, greedy_reference
 from test_sampling import first_two_tokens_pvalue
 
-HYBRIDS = ["qwen3_next", "qwen3_5", "granite_hybrid"]
+# gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba (Granite-4), Mamba beside MLP- and MoE-only blocks that keep no cache
+# (Nemotron-H), short convolutions whose state is a conv window only (LFM2)
+HYBRIDS = ["qwen3_next", "qwen3_5", "granite_hybrid", "nemotron_h", "lfm2"]
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)
@@ -33,27 +35,33 @@ def _prompt(seed, length=16):
 def test_a_hybrid_target_has_recurrent_layers_and_its_own_cache(hybrid):
     assert has_recurrent_layers(hybrid)
     cache = model_cache(hybrid)
-    assert sum(isinstance(layer, LinearAttentionLayer) for layer in cache.layers) >= 4  # half or more of 8 layers
+    assert sum(isinstance(layer, LinearAttentionLayer) for layer in cache.layers) >= 3  # 3 to 6 of 8 layers
 
 
 @torch.no_grad()
 def test_the_snapshot_restores_every_state_bit_for_bit(hybrid):
     cache = model_cache(hybrid)
     hybrid(_prompt(0)[None], **with_cache(hybrid, cache), use_cache=True)
-    before = [(layer.keys.clone(), None) if not isinstance(layer, LinearAttentionLayer) else
-              (layer.conv_states[0].clone(), layer.recurrent_states[0].clone()) for layer in cache.layers]
+    def saved(layer):  # LFM2's conv layers hold no recurrent state; MLP / MoE blocks hold nothing
+        if isinstance(layer, LinearAttentionLayer):
+            state = layer.recurrent_states[0]
+            return layer.conv_states[0].clone(), None if state is None else state.clone()
+        return (layer.keys.clone() if getattr(layer, "keys", None) is not None else None), None
+
+    before = [saved(layer) for layer in cache.layers]
     snapshot = StateSnapshot(cache)
     chain_forward(hybrid, cache, torch.tensor([5, 6, 7, 8]))
     assert cache.get_seq_length() == 20
-    changed = [not torch.equal(layer.recurrent_states[0], saved[1])
-               for layer, saved in zip(cache.layers, before) if isinstance(layer, LinearAttentionLayer)]
-    assert all(changed)  # the forward moved every recurrent state, so restoring it is a real test
+    changed = [not torch.equal(layer.conv_states[0], saved[0]) for layer, saved in zip(cache.layers, before)
+               if isinstance(layer, LinearAttentionLayer)]
+    assert all(changed)  # the forward moved every state, so restoring it is a real test
     snapshot.restore(cache)
     assert cache.get_seq_length() == 16
     for layer, (first, second) in zip(cache.layers, before):
         if isinstance(layer, LinearAttentionLayer):
-            assert torch.equal(layer.conv_states[0], first) and torch.equal(layer.recurrent_states[0], second)
-        else:
+            assert torch.equal(layer.conv_states[0], first)
+            assert second is None or torch.equal(layer.recurrent_states[0], second)
+        elif first is not None:
             assert torch.equal(layer.keys, first)
 
 
