@@ -179,7 +179,9 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int, tv_weight: float,
-                divergence: str):
+                divergence: str, target_rows: Tensor | None = None):
+        # target_rows (M,): row m's labels are target_p[target_rows[m]] (a step's rows of the whole label table,
+        # gathered a chunk at a time: no (M, Vd) copy of it per step); None: target_p is (M, Vd) itself
         w = weight.to(x.dtype)
         train_w = ctx.needs_input_grad[1]  # a frozen head (DFlash: the target's rows) needs no dL/dW
         grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32,
@@ -187,13 +189,14 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
         loss, argmax = x.new_zeros((), dtype=torch.float32), torch.empty(len(x), dtype=torch.long, device=x.device)
         for start in range(0, len(x), chunk):
             rows = slice(start, start + chunk)
+            p = target_p[rows] if target_rows is None else target_p[target_rows[rows]]  # (c, Vd)
             z = (x[rows] @ w.T).float()  # (c, Vd)
             log_q = torch.log_softmax(z, dim=-1)
             argmax[rows] = z.argmax(-1)
-            row_loss, dz, q = divergence_grad(log_q, target_p[rows], divergence)  # (c,), (c, Vd), (c, Vd)
+            row_loss, dz, q = divergence_grad(log_q, p, divergence)  # (c,), (c, Vd), (c, Vd)
             loss += row_loss.sum()
             if tv_weight:
-                difference = q - target_p[rows]
+                difference = q - p
                 loss += tv_weight * 0.5 * difference.abs().sum()
                 g = 0.5 * difference.sign()
                 dz += tv_weight * q * (g - (q * g).sum(-1, keepdim=True))
@@ -210,21 +213,23 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor, _grad_argmax):
         grad_x, grad_w = ctx.saved_tensors
         grad_w = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None, None
+        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None, None, None
 
 
 def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,
                               num_positions: int | None = None, chunk: int = 256, tv_weight: float = 0.0,
-                              divergence: str = "kl") -> tuple[Tensor, Tensor, Tensor]:
+                              divergence: str = "kl", target_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`soft_cross_entropy(x @ weight.T, target_p, ...)` over rows that all count, without the logits tensor.
     x (M, h) the normed hidden states, weight (Vd, h) the drafter's LM head, target_p (M, Vd), argmax_draft
-    (M,). -> (loss, accuracy, count) as `soft_cross_entropy` returns them (loss = sum / num_positions,
-    default the mean over the M rows)."""
+    (M,); or target_p (N, Vd) the whole label table and target_rows (M,) the rows of it that x's rows are scored
+    against (read a chunk at a time). -> (loss, accuracy, count) as `soft_cross_entropy` returns them
+    (loss = sum / num_positions, default the mean over the M rows)."""
     count = torch.tensor(len(x), device=x.device)
     scale = 1.0 / (num_positions if num_positions is not None else max(len(x), 1))
     if torch.is_autocast_enabled(x.device.type):  # the matmul dtype an autocast nn.Linear would use
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight, divergence)
+    loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight, divergence,
+                                                target_rows)
     accuracy = (argmax == argmax_draft).sum() / count.clamp(min=1)
     return loss, accuracy, count
 
@@ -240,11 +245,12 @@ class FusedLinearHead(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: Tensor, target_p: Tensor | None = None, argmax_draft: Tensor | None = None, *,
-                num_positions: int | None = None, tv_weight: float = 0.0, divergence: str = "kl"):
+                num_positions: int | None = None, tv_weight: float = 0.0, divergence: str = "kl",
+                target_rows: Tensor | None = None):
         if target_p is None:
             return super().forward(x)
         return linear_soft_cross_entropy(x, self.weight, target_p, argmax_draft, num_positions=num_positions,
-                                         tv_weight=tv_weight, divergence=divergence)
+                                         tv_weight=tv_weight, divergence=divergence, target_rows=target_rows)
 
 
 def chunked_draft_vocab_targets(drafter, target_logits, needed: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -200,3 +200,23 @@ def test_the_divergences_differ_and_vanish_where_the_draft_is_the_target():
     for name in ("reverse_kl", "jsd", "lk"):  # zero at q = p; kl's minimum there is H(p), argmax's -log p_a
         torch.testing.assert_close(divergence_rows(p.log(), p, name), torch.zeros(4), atol=1e-6, rtol=0)
     torch.testing.assert_close(divergence_rows(p.log(), p, "kl"), -(p * p.log()).sum(-1))
+
+
+@pytest.mark.parametrize("divergence, tv_weight", [("kl", 0.0), ("lk", 0.5)])
+def test_the_fused_loss_reads_rows_of_the_label_table_as_it_reads_their_copy(divergence, tv_weight):
+    # target_rows: each step scores rows of the whole (N, Vd) table, gathered a chunk at a time; the loss, the
+    # argmax and both gradients equal those of the step's own (M, Vd) copy
+    torch.manual_seed(0)
+    table = torch.softmax(torch.randn(40, 30), -1)  # (N, Vd)
+    rows = torch.randint(0, 40, (25,))  # (M,) with repeats, out of order
+    argmax = table.argmax(-1)
+    results = []
+    for kwargs in ({"target_p": table[rows]}, {"target_p": table, "target_rows": rows}):
+        x = torch.randn(25, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        weight = torch.randn(30, 8, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        loss, accuracy, _ = linear_soft_cross_entropy(x, weight, argmax_draft=argmax[rows], chunk=7,
+                                                      divergence=divergence, tv_weight=tv_weight, **kwargs)
+        loss.backward()
+        results.append((loss.detach(), accuracy, x.grad, weight.grad))
+    for copied, indexed in zip(*results):
+        torch.testing.assert_close(indexed, copied, rtol=0, atol=0)

@@ -152,12 +152,13 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     losses, accuracies, all_logits, confidence = [], [], [], []
     for j in range(bk - 1):  # slot j+1
         rows_j = index[:, :, j][counted[:, :, j]]  # (M_j,) into target_p / argmax_draft
-        p, want = target_p[rows_j], argmax_draft[rows_j]  # (M_j, Vd), (M_j,)
+        want = argmax_draft[rows_j]  # (M_j,)
         scale = total / weights[j]  # loss_j = w_j sum CE / total
-        if fused:  # the frozen head fused into the loss: no (M_j, Vd) logits kept for backward
-            loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted[:, :, j]], drafter.head, p, want,
-                                                     num_positions=scale)
+        if fused:  # the frozen head fused into the loss: no (M_j, Vd) logits kept for backward, nor labels copied
+            loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted[:, :, j]], drafter.head, target_p, want,
+                                                     num_positions=scale, target_rows=rows_j)
         else:
+            p = target_p[rows_j]  # (M_j, Vd)
             logits = drafter.slot_logits(normed[:, :, j], prev[:, :, j])  # (B, N, Vd)
             if return_logits:
                 all_logits.append(logits)

@@ -186,8 +186,9 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
         counted = label_mask & (label_rows >= 0)  # supervised AND target argmax in vocab
         counted_rows = label_rows[counted]  # (M,) M = counted positions of this step
         num_rows = label_mask.shape[1]
-        target_p, argmax_draft = (t[counted_rows] for t in targets)  # (M, Vd), (M,)
+        argmax_draft = targets[1][counted_rows]  # (M,)
         if return_logits:  # tests: every position's logits, scored at the counted ones
+            target_p = targets[0][counted_rows]  # (M, Vd)
             logits = drafter.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, Vd)
             step_logits.append(logits)
             all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
@@ -196,9 +197,10 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
                                               divergence=divergence))
         else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
             normed = drafter.norm(hidden[:, :num_rows][counted])  # (M, h)
-            metrics.append(drafter.lm_head(normed, target_p, argmax_draft, num_positions=num_positions,
-                                           tv_weight=tv_weight, divergence=divergence))  # a module call:
-            # sharding engines (ZeRO-3, FSDP) gather the head's weight around it
+            # the step's label rows are read from the whole table a chunk at a time (no (M, Vd) copy per step);
+            # a module call: sharding engines (ZeRO-3, FSDP) gather the head's weight around it
+            metrics.append(drafter.lm_head(normed, targets[0], argmax_draft, num_positions=num_positions,
+                                           tv_weight=tv_weight, divergence=divergence, target_rows=counted_rows))
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
     weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,

@@ -101,8 +101,9 @@ def parallel_loss(drafter: PEagleDrafter, features, input_ids, target_logits, lo
     total = sum(counted.sum() for _, _, counted in slots).clamp(min=1)
     losses, accuracies, counts, hits = [], [], [], []
     for block, label, counted in slots:
-        target_p, argmax_draft = (t[label[counted]] for t in targets)  # (M, Vd), (M,)
+        argmax_draft = targets[1][label[counted]]  # (M,)
         if return_hits:
+            target_p = targets[0][label[counted]]  # (M, Vd)
             logits = drafter.compute_logits(block)  # (B, ., Vd)
             ones = torch.ones_like(argmax_draft, dtype=torch.bool)
             loss, acc, _ = soft_cross_entropy(logits[counted], target_p, ones, argmax_draft, ones,
@@ -110,9 +111,10 @@ def parallel_loss(drafter: PEagleDrafter, features, input_ids, target_logits, lo
             correct = torch.zeros_like(counted)
             correct[counted] = logits[counted].argmax(-1) == argmax_draft
             hits.append(correct)
-        else:  # the LM head fused into the loss (a module call: sharding engines gather it)
-            loss, acc, _ = drafter.lm_head(drafter.norm(block[counted]), target_p, argmax_draft,
-                                               num_positions=total)
+        else:  # the LM head fused into the loss (a module call: sharding engines gather it), reading the
+            # slot's label rows from the whole table a chunk at a time
+            loss, acc, _ = drafter.lm_head(drafter.norm(block[counted]), targets[0], argmax_draft,
+                                           num_positions=total, target_rows=label[counted])
         losses.append(loss)
         accuracies.append(acc)
         counts.append(counted.sum())
