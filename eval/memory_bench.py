@@ -12,6 +12,8 @@ resident set (getrusage), so one setting's allocations never count in another's:
     rss_before   resident GB after the target and drafter are built, before the step
     peak         the process's maximum resident GB (the build included)
     step         peak - rss_before: what the step itself added
+    estimate     drafters.training.memory's estimate of the step (what fit checks against free memory before the
+                 first step), to compare with `step`
     dense        what the dense tensors the step avoids would take, for scale: the (T, V) float32 logits of a
                  whole sequence, and EAGLE-3's (T, kT) float32 training-time-test mask (k = TTT steps)
 
@@ -59,7 +61,7 @@ def child(spec: dict) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     return {"status": result.status, "detail": result.detail, "tokens_per_s": result.tokens_per_s,
             "rss_before_gb": before, "peak_gb": peak, "step_gb": peak - before,
-            "drafter_params_m": result.drafter_params_m}
+            "estimate_gb": result.estimate_gb, "drafter_params_m": result.drafter_params_m}
 
 
 def rss_gb() -> float:
@@ -90,14 +92,15 @@ def dense_gb(spec: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | T | V | TTT | status | tok/s | rss_before GB | peak GB | step GB | dense (T,V) / (T,kT) GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| family | T | V | TTT | status | tok/s | rss_before GB | peak GB | step GB | estimate GB | "
+             "dense (T,V) / (T,kT) GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r["status"] == "ok"
         number = (lambda key, f: format(r[key], f) if ok and r.get(key) is not None else "-")
         lines.append(f"| {r['family']} | {r['seq']} | {r['vocab']} | {r['ttt'] if r['family'] == 'eagle3' else '-'} "
                      f"| {r['status']} | {number('tokens_per_s', '.0f')} | {number('rss_before_gb', '.2f')} | "
-                     f"{number('peak_gb', '.2f')} | {number('step_gb', '.2f')} | {dense_gb(r)} |")
+                     f"{number('peak_gb', '.2f')} | {number('step_gb', '.2f')} | {number('estimate_gb', '.2f')} | "
+                     f"{dense_gb(r)} |")
     return "\n".join(lines)
 
 

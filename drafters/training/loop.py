@@ -41,6 +41,7 @@ from drafters.training.resume import (
 )
 from drafters.training.launch import check_launch_config, outside_zero3, shards_parameters
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
+from drafters.training.memory import check_step_memory
 from drafters.training.optimizers import build_optimizer
 from drafters.training.recipe import RecipeError, to_dict
 from drafters.errors import Stopped, UserError
@@ -267,6 +268,7 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
                           f"({accelerator.distributed_type.name}) flattens or shards them: use optim.name=adamw, or "
                           "launch with DDP (accelerate launch --multi_gpu)")
     optimizer = build_optimizer(recipe.optim, objective.drafter)
+    check_step_memory(recipe, target, objective.drafter, accelerator.device, say)  # before any step
     sampler = loader.batch_sampler
     # a whole copy for evaluation and checkpoints, made before prepare() shards the drafter (main process only)
     whole = copy.deepcopy(objective.drafter) if shards_parameters(accelerator) and accelerator.is_main_process else None

@@ -24,6 +24,7 @@ from drafters.decode.decoder import synced_clock
 from drafters.draft_vocab import DraftVocab
 from drafters.targets import Target
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
+from drafters.training.memory import estimate_step
 from drafters.training.optimizers import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +84,7 @@ class StepResult:
     mfu: float | None = None  # counted FLOPs per second / the device's bf16 dense peak
     peak_gb: float | None = None  # torch.cuda.max_memory_allocated over the measured steps (GiB)
     drafter_params_m: float | None = None
+    estimate_gb: float | None = None  # drafters.training.memory's estimate of the step's memory (GiB), if it has one
     attention_flops: float = 0.0  # of one step's counted FLOPs, in attention kernels
     detail: str = ""  # out of memory: where, how much was asked for, the largest live tensors
 
@@ -199,6 +201,8 @@ def measure_step(setting: StepSetting, target: Target, *, steps: int = 3, warmup
     try:
         objective, inputs, optimizer = build_step(setting, target)
         result.drafter_params_m = sum(p.numel() for p in objective.drafter.parameters()) / 1e6
+        estimate = estimate_step(recipe_for(setting, target.vocab_size), target, objective.drafter, online=True)
+        result.estimate_gb = None if estimate is None else estimate.total / 2**30
         batch = random_batch(setting, target.vocab_size, device)
         reset_peak(device)
         phase = "the training step"

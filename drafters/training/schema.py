@@ -99,6 +99,9 @@ class TrainRecipe:
     eval_every: int = 0  # 0 = only at the end
     resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
     allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    # refuse, before the first step, a step whose estimated memory exceeds the device's free memory
+    # (drafters/training/memory.py: EAGLE-3, DFlash, DSpark)
+    check_memory: bool = True
     trust_checkpoint: bool = False  # resume_from outside output_dir: its trainer state is unpickled, which can run
     #                                 code (accelerate, DeepSpeed, FSDP): say that the checkpoint is trusted
     overwrite_output_dir: bool = False  # a new run into an output_dir holding an earlier run: remove that run's
