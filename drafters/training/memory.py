@@ -11,6 +11,8 @@ hidden size, P = its trainable parameters:
     head grads   k Vd h 4             each TTT step's LM-head gradient, kept by the fused loss until backward
     optimizer    P 12                 float32 gradients and two optimizer states (AdamW; Muon keeps one on matrices)
     activations  k B T h ACT_BYTES    what each TTT step keeps for backward (block families: the blocks' slots)
+    transients   16 c Vd + 12 E       the fused loss's chunk (c rows: logits, log q, q, dz in float32) and a label
+                                      chunk (E = drafters.losses.LABEL_CHUNK_ELEMENTS logits and their softmax)
     target       B T h_t (L+1) bytes  online features: every hidden state of the frozen target's forward
 
 ACT_BYTES was fit on eval/memory_bench.py's grid (report/memory/index.md: a random Llama of width 256, bf16
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from drafters.losses import LABEL_CHUNK_ELEMENTS
 from drafters.training.recipe import RecipeError
 
 ACT_BYTES = 160  # per token, TTT step and unit of hidden size kept for backward (fit, bf16 autocast)
+LOSS_CHUNK_ROWS = 256  # drafters.losses.linear_soft_cross_entropy's default chunk
 FAMILIES = ("eagle3", "dflash", "dspark")  # the families estimated; the others are not checked
 
 
@@ -64,6 +68,7 @@ def estimate_step(recipe, target, drafter, *, online: bool) -> StepEstimate | No
         "head grads": head_grads,
         "optimizer": params * 12,
         "activations": steps * act_tokens * hidden * ACT_BYTES,
+        "transients": 16 * LOSS_CHUNK_ROWS * vocab + 12 * LABEL_CHUNK_ELEMENTS,
     }
     if online:
         t = target.config.get_text_config()
