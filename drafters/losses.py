@@ -254,12 +254,30 @@ class FusedLinearHead(nn.Linear):
 
 
 def chunked_draft_vocab_targets(drafter, target_logits, needed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`draft_vocab_targets` at the rows where `needed` (B, T) bool, computed LABEL_CHUNK_ROWS rows at a time
-    (label_chunks): the target's logits are never held at all N rows at once, only the (N, Vd) labels are.
+    """`draft_vocab_targets` at the rows where `needed` (B, T) bool, computed a label chunk at a time
+    (label_chunks) into tables allocated once: the target's logits are never held at all N rows at once, and the
+    (N, Vd) labels exist once (no list of pieces concatenated, no copy of the in-vocabulary rows).
     -> target_p (N, Vd) float32, in_vocab (N,) bool, argmax_draft (N,) long, in the order of needed's True rows."""
-    parts = [draft_vocab_targets(logits, drafter.t2d, drafter.config.draft_vocab_size)  # (c, Vd), (c,) x2
-             for logits in label_chunks(target_logits, needed)]
-    return tuple(torch.cat(part) for part in zip(*parts))
+    n, device = int(needed.sum()), needed.device
+    target_p = torch.empty(n, drafter.config.draft_vocab_size, dtype=torch.float32, device=device)
+    in_vocab = torch.empty(n, dtype=torch.bool, device=device)
+    argmax_draft = torch.empty(n, dtype=torch.long, device=device)
+    start = 0
+    for logits in label_chunks(target_logits, needed):
+        end = start + len(logits)
+        target_p[start:end], in_vocab[start:end], argmax_draft[start:end] = draft_vocab_targets(
+            logits, drafter.t2d, drafter.config.draft_vocab_size)
+        start = end
+    return target_p, in_vocab, argmax_draft
+
+
+def table_rows(needed: Tensor, in_vocab: Tensor) -> Tensor:
+    """needed (B, T) bool, in_vocab (N,) over needed's True positions -> (B, T) long: each position's row in the
+    label tables (chunked_draft_vocab_targets), -1 where it is not needed or its target argmax is outside the draft
+    vocabulary (never scored)."""
+    rows = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+    rows[needed] = torch.where(in_vocab, torch.arange(len(in_vocab), device=needed.device), -1)
+    return rows
 
 
 def supervised_targets(drafter, target_logits, loss_mask: Tensor
@@ -268,10 +286,8 @@ def supervised_targets(drafter, target_logits, loss_mask: Tensor
     t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
     vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
         rows (B, T) long: index of row r into the two tensors below, -1 where never scored
-        target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at those rows"""
+        target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at the needed rows (those whose
+        target argmax is outside the draft vocabulary are in the tables but no position points at them)"""
     needed = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1).bool()  # (B, T): loss_mask[r+1]
     target_p, in_vocab, argmax_draft = chunked_draft_vocab_targets(drafter, target_logits, needed)
-    scored = torch.zeros_like(needed)
-    scored[needed] = in_vocab  # (B, T)
-    rows = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
-    return rows, (target_p[in_vocab], argmax_draft[in_vocab])
+    return table_rows(needed, in_vocab), (target_p, argmax_draft)

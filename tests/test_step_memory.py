@@ -41,13 +41,12 @@ def test_the_estimate_grows_as_its_terms_say():
     import torch
 
     def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False):
-        recipe = SimpleNamespace(drafter="eagle3", batch_size=batch, data=SimpleNamespace(max_length=seq),
-                                 ttt_steps=steps)
+        recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq), ttt_steps=steps)
         drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64),
                                   parameters=lambda: [torch.zeros(100, requires_grad=True)])
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
             hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16)
-        return memory.estimate_step(recipe, target, drafter, online=online).parts
+        return memory.estimate_step(memory.ttt_shape(recipe, drafter), recipe, target, drafter, online=online).parts
 
     base = estimate()
     assert base == {"labels": 2 * 512 * 1000 * 4, "head grads": 3 * 1000 * 64 * 4, "optimizer": 100 * 12,

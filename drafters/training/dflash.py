@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from drafters.dflash import DFlashConfig, DFlashDrafter, block_label_mask, block_label_rows, sample_anchors
 from drafters.dspark import block_prev_ids
 from drafters.draft_vocab import DraftVocab
-from drafters.losses import chunked_draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy
+from drafters.losses import chunked_draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy, table_rows
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe
 
@@ -194,11 +194,9 @@ def supervised_block_targets(drafter: DFlashDrafter, target_logits, rows: Tensor
     b = torch.arange(batch, device=rows.device)[:, None, None].expand_as(rows)
     needed[b[wanted], rows[wanted]] = True
     target_p, in_vocab, argmax_draft = chunked_draft_vocab_targets(drafter, target_logits, needed)  # chunked rows
-    scored = torch.zeros_like(needed)
-    scored[needed] = in_vocab
-    row_index = torch.where(scored, scored.flatten().cumsum(0).view_as(scored) - 1, -1)  # (B, T)
+    row_index = table_rows(needed, in_vocab)  # (B, T)
     index = torch.where(wanted, row_index[b, rows.clamp(max=seq_len - 1)], -1)
-    return index, (target_p[in_vocab], argmax_draft[in_vocab])
+    return index, (target_p, argmax_draft)
 
 
 class DFlashObjective(nn.Module):

@@ -43,6 +43,7 @@ from drafters.training.heads import (
     check_heads_have_labels,
 )
 from drafters.training.loop import Summary, fit, start_run
+from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, read_recipe
 from drafters.training.resume import field_default
@@ -71,6 +72,9 @@ class TrainingFamily:
     evaluate: Callable | None = None
     describe: Callable | None = None
     check_rows: Callable = lambda recipe, rows: None  # (recipe, train rows) -> raises RecipeError if unusable
+    # (recipe, drafter) -> drafters.training.memory.StepShape: what a step holds, for the memory check before the
+    # first step; None = not estimated (not checked)
+    memory_shape: Callable | None = None
 
     @property
     def offline(self) -> bool:
@@ -83,13 +87,15 @@ _FUSED = dict(run=EagleRun, store_layout="eagle3", layer_spec=eagle3_layer_spec,
 _HEADS = dict(run=HeadsRun, loss_parts="per head", check_rows=check_heads_have_labels)
 TRAINING_FAMILIES: dict[str, TrainingFamily] = {
     "eagle3": TrainingFamily("eagle3", recipe=Eagle3Recipe, build=build_eagle3, loss_parts="per TTT step",
-                             evaluate=evaluate_eagle3, describe=format_eval, **_FUSED),
+                             evaluate=evaluate_eagle3, describe=format_eval, memory_shape=ttt_shape, **_FUSED),
     # DFlash reads EAGLE-3's stored layout: one store serves both at the same layers
     "dflash": TrainingFamily("dflash", recipe=DFlashRecipe, build=build_dflash, loss_parts="per block slot",
-                             evaluate=evaluate_dflash, describe=format_dflash_eval, **_FUSED),
+                             evaluate=evaluate_dflash, describe=format_dflash_eval, memory_shape=block_shape,
+                             **_FUSED),
     # DSpark is DFlash plus its Markov head: DFlash's objective, evaluation and store
     "dspark": TrainingFamily("dspark", recipe=DSparkRecipe, build=build_dspark, loss_parts="per block slot",
-                             evaluate=evaluate_dflash, describe=format_dflash_eval, **_FUSED),
+                             evaluate=evaluate_dflash, describe=format_dflash_eval, memory_shape=block_shape,
+                             **_FUSED),
     "peagle": TrainingFamily("peagle", recipe=PEagleRecipe, build=build_peagle, loss_parts="per depth",
                              evaluate=evaluate_peagle, describe=format_peagle_eval, **_FUSED),
     "eagle1": TrainingFamily("eagle1", recipe=Eagle1Recipe, build=build_eagle1, loss_parts="feature, token",

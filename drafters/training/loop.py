@@ -268,7 +268,7 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
                           f"({accelerator.distributed_type.name}) flattens or shards them: use optim.name=adamw, or "
                           "launch with DDP (accelerate launch --multi_gpu)")
     optimizer = build_optimizer(recipe.optim, objective.drafter)
-    check_step_memory(recipe, target, objective.drafter, accelerator.device, say)  # before any step
+    check_step_memory(family, recipe, target, objective.drafter, accelerator.device, say)  # before any step
     sampler = loader.batch_sampler
     # a whole copy for evaluation and checkpoints, made before prepare() shards the drafter (main process only)
     whole = copy.deepcopy(objective.drafter) if shards_parameters(accelerator) and accelerator.is_main_process else None

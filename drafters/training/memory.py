@@ -1,5 +1,5 @@
-"""Will one training step fit? An estimate of the memory a step of EAGLE-3, DFlash or DSpark adds, from the recipe
-and the built drafter, checked against what the device has free before the first step (fit calls it), so a length
+"""Will one training step fit? An estimate of the memory a training step adds, from the recipe, the built drafter
+and its family's StepShape (TrainingFamily.memory_shape: EAGLE-3's TTT, DFlash's and DSpark's blocks), checked against what the device has free before the first step (fit calls it), so a length
 or vocabulary that cannot fit is refused in one sentence with the estimate and what to lower, not killed by the
 kernel's out-of-memory killer halfway into a run.
 
@@ -29,12 +29,38 @@ from drafters.training.recipe import RecipeError
 
 ACT_BYTES = 160  # per token, TTT step and unit of hidden size kept for backward (fit, bf16 autocast)
 LOSS_CHUNK_ROWS = 256  # drafters.losses.linear_soft_cross_entropy's default chunk
-FAMILIES = ("eagle3", "dflash", "dspark")  # the families estimated; the others are not checked
+
+
+@dataclass
+class StepShape:
+    """What a family's step holds, in the units of the estimate (a TrainingFamily's memory_shape returns it)."""
+
+    steps: int  # sequential passes whose activations backward keeps (TTT steps; a block drafter's layers)
+    label_rows: int  # rows of the (rows, Vd) label table
+    act_tokens: int  # tokens each pass runs
+    head_grad_steps: int  # passes that keep an LM-head gradient of their own (0: the head is frozen)
+    knobs: tuple[str, ...]  # the recipe fields to lower, with their values
+
+
+def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every row
+    tokens = recipe.batch_size * recipe.data.max_length
+    return StepShape(recipe.ttt_steps, tokens, tokens, recipe.ttt_steps, (
+        f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
+        f"ttt_steps ({recipe.ttt_steps})"))
+
+
+def block_shape(recipe, drafter) -> StepShape:  # DFlash, DSpark: the anchors' blocks, through every layer
+    block, anchors = recipe.dflash.block_size, recipe.dflash.anchors
+    return StepShape(drafter.config.num_hidden_layers, recipe.batch_size * anchors * (block - 1),
+                     recipe.batch_size * anchors * block, 0, (
+                         f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
+                         f"dflash.anchors ({anchors})"))
 
 
 @dataclass
 class StepEstimate:
     parts: dict[str, float]  # name -> bytes
+    knobs: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
@@ -48,32 +74,22 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GB" if num_bytes >= 2**28 else f"{num_bytes / 2**20:.0f} MB"
 
 
-def estimate_step(recipe, target, drafter, *, online: bool) -> StepEstimate | None:
-    """The memory one optimizer step adds for recipe.drafter (FAMILIES), given the built drafter; None for a family
-    this module does not estimate."""
-    if recipe.drafter not in FAMILIES:
-        return None
-    c = drafter.config
-    batch, seq, vocab, hidden = recipe.batch_size, recipe.data.max_length, c.draft_vocab_size, c.hidden_size
+def estimate_step(shape: StepShape, recipe, target, drafter, *, online: bool) -> StepEstimate:
+    """The memory one optimizer step adds, from the family's StepShape and the built drafter."""
+    vocab, hidden = drafter.config.draft_vocab_size, drafter.config.hidden_size
     params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    if recipe.drafter == "eagle3":
-        steps, label_rows, act_tokens = recipe.ttt_steps, batch * seq, batch * seq
-        head_grads = steps * vocab * hidden * 4
-    else:  # a block drafter: its anchors' slots are the rows it scores and the tokens it runs
-        block, anchors = recipe.dflash.block_size, recipe.dflash.anchors
-        steps, label_rows, act_tokens = c.num_hidden_layers, batch * anchors * (block - 1), batch * anchors * block
-        head_grads = 0  # the target's frozen head rows
     parts = {
-        "labels": label_rows * vocab * 4,
-        "head grads": head_grads,
+        "labels": shape.label_rows * vocab * 4,
+        "head grads": shape.head_grad_steps * vocab * hidden * 4,
         "optimizer": params * 12,
-        "activations": steps * act_tokens * hidden * ACT_BYTES,
+        "activations": shape.steps * shape.act_tokens * hidden * ACT_BYTES,
         "transients": 16 * LOSS_CHUNK_ROWS * vocab + 12 * LABEL_CHUNK_ELEMENTS,
     }
     if online:
         t = target.config.get_text_config()
-        parts["target"] = batch * seq * t.hidden_size * (t.num_hidden_layers + 1) * target.dtype.itemsize
-    return StepEstimate(parts)
+        tokens = recipe.batch_size * recipe.data.max_length
+        parts["target"] = tokens * t.hidden_size * (t.num_hidden_layers + 1) * target.dtype.itemsize
+    return StepEstimate(parts, (*shape.knobs, f"draft_vocab_size ({vocab})"))
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -92,21 +108,19 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_step_memory(recipe, target, drafter, device: torch.device, say) -> None:
-    """Raise RecipeError, before the first step, where the estimate exceeds the device's free memory."""
-    if not recipe.check_memory or recipe.drafter not in FAMILIES:
+def check_step_memory(family, recipe, target, drafter, device: torch.device, say) -> None:
+    """Raise RecipeError, before the first step, where the estimate exceeds the device's free memory. `family` is
+    the TrainingFamily trained: those without a memory_shape are not checked."""
+    if not recipe.check_memory or family.memory_shape is None:
         return
-    estimate = estimate_step(recipe, target, drafter, online=not recipe.features.dir)
+    estimate = estimate_step(family.memory_shape(recipe, drafter), recipe, target, drafter,
+                             online=not recipe.features.dir)
     free = available_bytes(device)
-    if estimate is None or free is None:
+    if free is None:
         return
     if estimate.total <= free:
         say(f"memory: one step needs about {size(estimate.total)} ({estimate.describe()}); {size(free)} free")
         return
-    lower = [f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})"]
-    lower += [f"ttt_steps ({recipe.ttt_steps})"] if recipe.drafter == "eagle3" else [
-        f"dflash.anchors ({recipe.dflash.anchors})"]
-    lower.append(f"draft_vocab_size ({drafter.config.draft_vocab_size})")
     raise RecipeError(f"recipe: one training step needs about {size(estimate.total)} ({estimate.describe()}), "
-                      f"more than the {size(free)} free on {device}: lower {', '.join(lower)}, or set "
+                      f"more than the {size(free)} free on {device}: lower {', '.join(estimate.knobs)}, or set "
                       "check_memory=false to try anyway (the estimate: drafters/training/memory.py)")

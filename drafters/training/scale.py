@@ -201,8 +201,11 @@ def measure_step(setting: StepSetting, target: Target, *, steps: int = 3, warmup
     try:
         objective, inputs, optimizer = build_step(setting, target)
         result.drafter_params_m = sum(p.numel() for p in objective.drafter.parameters()) / 1e6
-        estimate = estimate_step(recipe_for(setting, target.vocab_size), target, objective.drafter, online=True)
-        result.estimate_gb = None if estimate is None else estimate.total / 2**30
+        shape = TRAINING_FAMILIES[setting.family].memory_shape
+        if shape is not None:
+            recipe = recipe_for(setting, target.vocab_size)
+            estimate = estimate_step(shape(recipe, objective.drafter), recipe, target, objective.drafter, online=True)
+            result.estimate_gb = estimate.total / 2**30
         batch = random_batch(setting, target.vocab_size, device)
         reset_peak(device)
         phase = "the training step"
