@@ -11,7 +11,7 @@ hidden size, P = its trainable parameters:
     head grads   k Vd h 4             each TTT step's LM-head gradient, kept by the fused loss until backward
     optimizer    P 12                 float32 gradients and two optimizer states (AdamW; Muon keeps one on matrices)
     activations  k B T h ACT_BYTES    what each TTT step keeps for backward (block families: the blocks' slots)
-    transients   16 c Vd + 12 E       the fused loss's chunk (c rows: logits, log q, q, dz in float32) and a label
+    transients   16 c Vd + 8 E        the fused loss's chunk (c rows: logits, log q, q, dz in float32) and a label
                                       chunk (E = drafters.losses.LABEL_CHUNK_ELEMENTS logits and their softmax)
     target       B T h_t (L+1) bytes  online features: every hidden state of the frozen target's forward
 
@@ -27,7 +27,7 @@ import torch
 from drafters.losses import LABEL_CHUNK_ELEMENTS
 from drafters.training.recipe import RecipeError
 
-ACT_BYTES = 160  # per token, TTT step and unit of hidden size kept for backward (fit, bf16 autocast)
+ACT_BYTES = 128  # per token, TTT step and unit of hidden size kept for backward (fit: 70-111, bf16 autocast)
 LOSS_CHUNK_ROWS = 256  # drafters.losses.linear_soft_cross_entropy's default chunk
 
 
@@ -83,7 +83,7 @@ def estimate_step(shape: StepShape, recipe, target, drafter, *, online: bool) ->
         "head grads": shape.head_grad_steps * vocab * hidden * 4,
         "optimizer": params * 12,
         "activations": shape.steps * shape.act_tokens * hidden * ACT_BYTES,
-        "transients": 16 * LOSS_CHUNK_ROWS * vocab + 12 * LABEL_CHUNK_ELEMENTS,
+        "transients": 16 * LOSS_CHUNK_ROWS * vocab + 8 * LABEL_CHUNK_ELEMENTS,
     }
     if online:
         t = target.config.get_text_config()

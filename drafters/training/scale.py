@@ -94,7 +94,8 @@ def recipe_for(setting: StepSetting, vocab_size: int):
     # mask tokens: no training rows, so the lowest id (choose_mask_token)
     argv = [str(ROOT / "recipes" / f"{setting.family}_tiny.yaml"),
             f"draft_vocab_size={min(setting.draft_vocab, vocab_size)}",
-            "draft_vocab_coverage=null", f"data.max_length={setting.seq_len}", "dtype=bfloat16",
+            "draft_vocab_coverage=null", f"data.max_length={setting.seq_len}", f"batch_size={setting.batch_size}",
+            "dtype=bfloat16",
             "mixed_precision=bf16", *setting.overrides]
     return load_recipe(argv)
 
