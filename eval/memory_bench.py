@@ -2,6 +2,7 @@
 
     python eval/memory_bench.py                                     # the default grid below, one thread
     python eval/memory_bench.py --families eagle3 --seq 512,2048,8192 --vocab 32000 --ttt 3,7 --json mem.json
+    python eval/memory_bench.py --estimate-only --seq 32768 --vocab 128000   # the estimate alone, in seconds
 
 Each setting is one optimizer step of the family's real objective (drafters.training.scale.measure_step: the
 family's tiny recipe with the setting's overrides, the frozen target's forward, the drafter's loss, backward,
@@ -43,17 +44,25 @@ def family_overrides(family: str, ttt: int) -> tuple[str, ...]:
     return ()
 
 
+def narrow_target(spec: dict, device):
+    import torch
+
+    from drafters.training.scale import SHAPES, random_target
+
+    shape = {**SHAPES["tiny"], "hidden_size": spec["hidden"], "intermediate_size": 2 * spec["hidden"],
+             "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": spec["hidden"] // 4, "max_position_embeddings": max(4096, spec["seq"])}
+    return random_target(shape, dtype=torch.bfloat16, device=device, vocab_size=spec["vocab"])
+
+
 def child(spec: dict) -> dict:
     """One setting in this process -> its measurements (called with --child)."""
     import torch
 
-    from drafters.training.scale import SHAPES, StepSetting, measure_step, random_target
+    from drafters.training.scale import StepSetting, measure_step
 
     torch.set_num_threads(spec["threads"])
-    shape = {**SHAPES["tiny"], "hidden_size": spec["hidden"], "intermediate_size": 2 * spec["hidden"],
-             "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": spec["hidden"] // 4, "max_position_embeddings": max(4096, spec["seq"])}
-    target = random_target(shape, dtype=torch.bfloat16, device=torch.device("cpu"), vocab_size=spec["vocab"])
+    target = narrow_target(spec, torch.device("cpu"))
     setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"]),
                           draft_vocab=spec["vocab"])
     before = rss_gb()
@@ -62,6 +71,26 @@ def child(spec: dict) -> dict:
     return {"status": result.status, "detail": result.detail, "tokens_per_s": result.tokens_per_s,
             "rss_before_gb": before, "peak_gb": peak, "step_gb": peak - before,
             "estimate_gb": result.estimate_gb, "drafter_params_m": result.drafter_params_m}
+
+
+def estimate_only(spec: dict) -> dict:
+    """The setting's drafters.training.memory estimate, from the built drafter, without running the step."""
+    import torch
+
+    from drafters.training.families import TRAINING_FAMILIES
+    from drafters.training.memory import estimate_step
+    from drafters.training.scale import StepSetting, build_step, recipe_for
+
+    shape = TRAINING_FAMILIES[spec["family"]].memory_shape
+    if shape is None:
+        return {"status": "not estimated"}
+    target = narrow_target(spec, torch.device("cpu"))  # random weights, built in a second
+    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"]),
+                          draft_vocab=spec["vocab"])
+    objective, _, _ = build_step(setting, target)
+    recipe = recipe_for(setting, target.vocab_size)
+    estimate = estimate_step(shape(recipe, objective.drafter), recipe, target, objective.drafter, online=True)
+    return {"status": "ok", "estimate_gb": estimate.total / 2**30, "parts": estimate.describe()}
 
 
 def rss_gb() -> float:
@@ -113,6 +142,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--hidden", type=int, default=256, help="the random target's width (default 256)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900, help="seconds per setting before it is reported as such")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="print drafters.training.memory's estimate of each setting without running it (seconds)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -134,7 +165,8 @@ def main(argv=None) -> list[dict]:
                 for ttt in (ttts if family == "eagle3" else ttts[:1]):
                     spec = {"family": family, "seq": seq, "vocab": vocab, "ttt": ttt, "hidden": args.hidden,
                             "threads": args.threads}
-                    rows.append({**spec, **run_setting(spec, args.timeout)})
+                    rows.append({**spec, **(estimate_only(spec) if args.estimate_only else
+                                            run_setting(spec, args.timeout))})
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     if args.json:
