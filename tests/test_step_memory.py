@@ -51,7 +51,7 @@ def test_the_estimate_grows_as_its_terms_say():
     base = estimate()
     assert base == {"labels": 2 * 512 * 1000 * 4, "head grads": 3 * 1000 * 64 * 4, "optimizer": 100 * 12,
                     "activations": 3 * 2 * 512 * 64 * memory.ACT_BYTES,
-                    "transients": 16 * 256 * 1000 + 8 * 2**24}
+                    "transients": 16 * 256 * 1000 + 8 * 2**24, "logits": 0}
     longer, deeper, wider = estimate(seq=1024), estimate(steps=6), estimate(vocab=2000)
     assert longer["labels"] == 2 * base["labels"] and longer["activations"] == 2 * base["activations"]
     assert longer["head grads"] == base["head grads"]

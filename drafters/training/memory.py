@@ -11,6 +11,8 @@ hidden size, P = its trainable parameters:
     head grads   k Vd h 4             each TTT step's LM-head gradient, kept by the fused loss until backward
     optimizer    P 12                 float32 gradients and two optimizer states (AdamW; Muon keeps one on matrices)
     activations  k B T h ACT_BYTES    what each TTT step keeps for backward (block families: the blocks' slots)
+    logits       4 R Vd 4             a loss without a fused head (DSpark's Markov bias): R rows of logits, their
+                                      log-softmax, softmax and gradient in float32
     transients   16 c Vd + 8 E        the fused loss's chunk (c rows: logits, log q, q, dz in float32) and a label
                                       chunk (E = drafters.losses.LABEL_CHUNK_ELEMENTS logits and their softmax)
     target       B T h_t (L+1) bytes  online features: every hidden state of the frozen target's forward
@@ -40,6 +42,7 @@ class StepShape:
     act_tokens: int  # tokens each pass runs
     head_grad_steps: int  # passes that keep an LM-head gradient of their own (0: the head is frozen)
     knobs: tuple[str, ...]  # the recipe fields to lower, with their values
+    logit_rows: int = 0  # rows whose (rows, Vd) logits the loss materialises (no fused head: DSpark's Markov bias)
 
 
 def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every row
@@ -51,10 +54,10 @@ def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every 
 
 def block_shape(recipe, drafter) -> StepShape:  # DFlash, DSpark: the anchors' blocks, through every layer
     block, anchors = recipe.dflash.block_size, recipe.dflash.anchors
-    return StepShape(drafter.config.num_hidden_layers, recipe.batch_size * anchors * (block - 1),
-                     recipe.batch_size * anchors * block, 0, (
-                         f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
-                         f"dflash.anchors ({anchors})"))
+    rows = recipe.batch_size * anchors * (block - 1)
+    return StepShape(drafter.config.num_hidden_layers, rows, recipe.batch_size * anchors * block, 0, (
+        f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
+        f"dflash.anchors ({anchors})"), logit_rows=0 if drafter.fused_loss else rows)
 
 
 @dataclass
@@ -84,6 +87,7 @@ def estimate_step(shape: StepShape, recipe, target, drafter, *, online: bool) ->
         "optimizer": params * 12,
         "activations": shape.steps * shape.act_tokens * hidden * ACT_BYTES,
         "transients": 16 * LOSS_CHUNK_ROWS * vocab + 8 * LABEL_CHUNK_ELEMENTS,
+        "logits": shape.logit_rows * vocab * 4 * 4,  # float32 logits, log-softmax, softmax and their gradient
     }
     if online:
         t = target.config.get_text_config()
