@@ -3,6 +3,8 @@ verifies the tree's first-child chain in the model's own cache, and a rejected d
 from a snapshot. Greedy decoding equals `generate` with drafts rejected and accepted; the snapshot restores the
 states bit for bit; the proposer sees the target's features at the committed positions; sampling stays lossless."""
 
+import functools
+
 import pytest
 import torch
 from transformers.cache_utils import LinearAttentionLayer
@@ -65,9 +67,20 @@ def test_the_snapshot_restores_every_state_bit_for_bit(hybrid):
             assert torch.equal(layer.keys, first)
 
 
-@pytest.mark.parametrize("kind", ["chain:4", "static", "dynamic"])
-@pytest.mark.parametrize("corrupt", [0.0, 0.4])
-def test_greedy_equals_generate_with_drafts_rejected_and_rolled_back(hybrid, kind, corrupt):
+@functools.cache
+def tiny(arch):
+    return build_tiny_architecture(arch)[0]
+
+
+# every tree kind, with drafts rejected (0.4) and all accepted (0.0), on a DeltaNet and a Mamba hybrid; the other
+# hybrids' caches on a dynamic tree with rejections
+ROUNDS = [(arch, kind, corrupt) for arch in ("qwen3_next", "granite_hybrid") for kind in ("chain:4", "static", "dynamic")
+          for corrupt in (0.0, 0.4)] + [(arch, "dynamic", 0.4) for arch in ("qwen3_5", "nemotron_h", "lfm2")]
+
+
+@pytest.mark.parametrize("arch, kind, corrupt", ROUNDS)
+def test_greedy_equals_generate_with_drafts_rejected_and_rolled_back(arch, kind, corrupt):
+    hybrid = tiny(arch)
     prompt = _prompt(4)
     reference = greedy_reference(hybrid, prompt, 30)
     proposer = ReferenceProposer(reference, kind, corrupt, seed=5)
