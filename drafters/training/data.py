@@ -383,6 +383,11 @@ REASONING = ("train", "answer_only")
 THINK_BLOCK = re.compile(r"^\s*<think>.*?</think>\s*", re.S)  # a reasoning block written into the content
 
 
+def think_text(block: re.Match) -> str:
+    # a THINK_BLOCK match -> the reasoning inside it, without its tags
+    return block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
+
+
 def with_reasoning(tokenizer, messages: list[dict], mode: str = "train") -> tuple[list[dict], int]:
     """-> (the messages as the template renders them, assistant turns that carry reasoning).
 
@@ -401,7 +406,7 @@ def with_reasoning(tokenizer, messages: list[dict], mode: str = "train") -> tupl
         carried += 1
         answer = message["content"][block.end():] if block else message["content"]
         if reasoning is None:  # the block's text, without its tags
-            reasoning = block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
+            reasoning = think_text(block)
         rest = {k: v for k, v in message.items() if k not in ("content", "reasoning_content")}  # tool calls
         if mode == "answer_only":
             out.append({**rest, "content": answer})
@@ -455,7 +460,7 @@ def forced_turn_tokens(tokenizer, messages: list[dict], *, max_length: int | Non
     block = THINK_BLOCK.match(last["content"])
     reasoning = last.get("reasoning_content")
     if reasoning is None and block is not None:
-        reasoning = block.group(0).strip().removeprefix("<think>").removesuffix("</think>")
+        reasoning = think_text(block)
     answer = last["content"][block.end():] if block else last["content"]
     prompt = render(tokenizer, history, add_generation_prompt=True, template_kwargs=template_kwargs)
     answered = [*history, {**{k: v for k, v in last.items() if k not in ("content", "reasoning_content")},
@@ -550,7 +555,7 @@ def _reasoning_of(message: dict) -> str | None:
     if message.get("reasoning_content"):
         return message["reasoning_content"].strip() or None
     block = THINK_BLOCK.match(message.get("content") or "") if message["role"] == "assistant" else None
-    return block.group(0).strip().removeprefix("<think>").removesuffix("</think>").strip() or None if block else None
+    return (think_text(block).strip() or None) if block else None
 
 
 def _kept_turn(tokenizer, messages, template_kwargs, start: int) -> str:
