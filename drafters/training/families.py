@@ -157,7 +157,10 @@ def train(recipe, tag: str | None = None) -> Summary:
     """One training run of recipe.drafter's family; `tag` (default: the family's name) prefixes its printed lines."""
     family = TRAINING_FAMILIES[recipe.drafter]
     tag = tag or recipe.drafter
-    accelerator, target, resume, train_rows, held_out = start_run(recipe, tag)
+    # from a store, the target's forward never runs: its decoder layers stay on disk (unless a layer initialises
+    # the drafter: EAGLE-3's init_layer)
+    from_store = family.offline and bool(recipe.features.dir) and getattr(recipe, "init_layer", None) is None
+    accelerator, target, resume, train_rows, held_out = start_run(recipe, tag, decoder=not from_store)
     say = accelerator.print
     store = None
     if family.offline and recipe.features.dir:  # refuses features computed for other data, target or feature

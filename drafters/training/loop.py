@@ -108,9 +108,10 @@ def make_accelerator(recipe, script: str):
     return accelerator
 
 
-def start_run(recipe, script: str):
+def start_run(recipe, script: str, decoder: bool = True):
     """The start every training script shares: threads, accelerator, the frozen target on its
-    device, the resume checks (before any work) and the train / held-out split.
+    device, the resume checks (before any work) and the train / held-out split. decoder=False loads the target's
+    embeddings, final norm and LM head only (a run whose features all come from a store: drafters.targets).
     -> (accelerator, target, resume checkpoint or None, train rows, held-out rows)."""
     from drafters.checkpoint import load_checkpoint
     from drafters.targets import load_target
@@ -123,8 +124,12 @@ def start_run(recipe, script: str):
     dtype, _, precision = resolve_precision(recipe.dtype, mixed_precision_of(accelerator), accelerator.device)
     accelerator.print(precision)
     with outside_zero3():
-        target = load_target(recipe.target, dtype=dtype)
+        target = load_target(recipe.target, dtype=dtype, decoder=decoder)
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
+    if not decoder:
+        held = sum(p.numel() for p in target.model.parameters())
+        accelerator.print(f"target: embeddings, final norm and LM head only ({held / 1e6:.1f}M parameters); its "
+                          f"{target.num_layers} decoder layers are not loaded: the features come from the store")
     resume = resume_checkpoint(recipe, accelerator.print)
     if resume is not None:  # before any work: a wrong checkpoint or a changed recipe fails here
         check_resume(load_checkpoint(resume), to_dict(recipe), recipe.drafter, target, recipe.allow_recipe_changes,
