@@ -64,7 +64,8 @@ class HeadsOutput:
 def heads_loss(drafter, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, lm_head: Tensor, *,
                weights: dict[int, float], teacher_logits: Tensor | None = None) -> HeadsOutput:
     """hidden (B, T, d) the target's last hidden state; input_ids, loss_mask (B, T); lm_head (V, d)
-    the frozen target LM head weight; weights {head k: w_k} selects the heads to train.
+    the frozen target LM head weight; weights {head k: w_k} selects the heads to train; teacher_logits (B, T, V)
+    or a drafters.losses.LabelLogits (read at one head's rows at a time).
         label of head k at t = input_ids[t+k+2]                       (data tokens), or
                                softmax(teacher_logits[t+k+1])         (distill: the target's own
                                distribution for token t+k+2, its argmax for the accuracies)

@@ -16,15 +16,20 @@ class LabelLogits:  # not drafters.heads.HeadRows (which rows train which Medusa
     (B, T, V) tensor (V = 49k for SmolLM2, 262k for Gemma-3) that a full LM head pass materialises.
         hidden (B, T, h): the final-normed last hidden state (HF hidden_states index L)
         head: (N, h) -> (N, V), the target's frozen head (lm_head, then its logit softcap if any)
-    rows[mask] (mask (B, T) bool) = head(hidden[mask]) (N, V) = full_logits[mask], as a tensor would be
-    indexed: code written for a (B, T, V) logits tensor that only reads it at masked rows takes either.
-    Online and offline training build it the same way, so their labels are computed identically."""
+    rows[index] = head(hidden[index]) = full_logits[index] for an index into (B, T) that selects rows: a (B, T)
+    bool mask -> (N, V), or a pair of (N,) batch and position index tensors -> (N, V), as a tensor would be
+    indexed; shape = (B, T, V). Code written for a (B, T, V) logits tensor that only reads it at chosen rows takes
+    either. Online and offline training build it the same way, so their labels are computed identically."""
 
     def __init__(self, hidden: Tensor, head):
         self.hidden, self.head = hidden, head
 
-    def __getitem__(self, mask: Tensor) -> Tensor:
-        return self.head(self.hidden[mask])
+    def __getitem__(self, index) -> Tensor:
+        return self.head(self.hidden[index])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.hidden.shape[:2], self.head.out_features)
 
 
 LABEL_CHUNK_ELEMENTS = 2**24  # target logits held at once: (rows, V) with rows * V <= 2^24, 64 MB in float32

@@ -220,3 +220,88 @@ def test_the_fused_loss_reads_rows_of_the_label_table_as_it_reads_their_copy(div
         results.append((loss.detach(), accuracy, x.grad, weight.grad))
     for copied, indexed in zip(*results):
         torch.testing.assert_close(indexed, copied, rtol=0, atol=0)
+
+
+# ---- the label side of Medusa / Blockwise (distillation, held-out) and EAGLE-1: rows, never (B, T, V) ----------
+
+
+class CountingHead:
+    """A frozen head x (N, h) -> x W^T (N, V) that records how many rows each call computed."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.rows = weight, []
+
+    out_features = property(lambda self: self.weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return x @ self.weight.T
+
+
+def gradients(module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", ["medusa", "blockwise"])
+def test_heads_distill_from_label_rows_as_from_the_whole_logits(family):
+    from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
+    from drafters.heads import HeadRows, heads_loss
+    from drafters.medusa import MedusaConfig, MedusaHeads
+
+    B, T, D, V, K = 3, 11, 16, 45, 3
+    gen = torch.Generator().manual_seed(4)
+    torch.manual_seed(0)
+    heads = (MedusaHeads(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=1)) if family == "medusa"
+             else BlockwiseHeads(BlockwiseConfig(hidden_size=D, vocab_size=V, num_heads=K)))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3, generator=gen)
+    x, lm_head = torch.randn(B, T, D, generator=gen), torch.randn(V, D, generator=gen)
+    ids, loss_mask = torch.randint(0, V, (B, T), generator=gen), (torch.rand(B, T, generator=gen) > 0.3).long()
+    teacher_hidden, head = torch.randn(B, T, D, generator=gen), CountingHead(torch.randn(V, D, generator=gen))
+    weights = {k: 0.8 ** k for k in range(K)}
+    results = []
+    for teacher in (head(teacher_hidden.reshape(B * T, D)).reshape(B, T, V), LabelLogits(teacher_hidden, head)):
+        heads.zero_grad()
+        out = heads_loss(heads, x, ids, loss_mask, lm_head, weights=weights, teacher_logits=teacher)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.correct, gradients(heads)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[1][1], results[0][1]) and results[0][0] > 0
+    for a, b in zip(results[0][2], results[1][2], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    # the whole-tensor pass computed B * T rows once; the label rows, one head's rows per call
+    rows = HeadRows.of(loss_mask, K)
+    assert head.rows[0] == B * T and head.rows[1:] == [len(rows.batch)] * K and len(rows.batch) < B * T
+
+
+def test_eagle1_scores_label_rows_as_the_whole_logits():
+    from drafters.eagle1 import Eagle1Config, Eagle1Drafter
+    from drafters.training.eagle1 import chain_loss
+    from transformers import LlamaConfig
+
+    B, T, D, V = 2, 12, 64, 259
+    gen = torch.Generator().manual_seed(5)
+    config = Eagle1Config.from_target_config(LlamaConfig(hidden_size=D, intermediate_size=128, num_attention_heads=4,
+                                                         num_key_value_heads=2, head_dim=16, vocab_size=V))
+    torch.manual_seed(0)
+    head = CountingHead(torch.randn(V, D, generator=gen))
+    drafter = Eagle1Drafter(config).attach_head(head)
+    embed = torch.nn.Embedding(V, D)
+    features, ids = torch.randn(B, T, D, generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    loss_mask = (torch.rand(B, T, generator=gen) > 0.25).long()
+    results = []
+    for labels in (head(features.reshape(B * T, D)).reshape(B, T, V), LabelLogits(features, head)):
+        drafter.zero_grad()
+        head.rows.clear()
+        out = chain_loss(drafter, features, ids, labels, loss_mask, embed, steps=3)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.step_accuracies, out.step_counts, gradients(drafter),
+                        [r for r in head.rows]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[1][1], results[0][1]) and torch.equal(results[1][2], results[0][2])
+    for a, b in zip(results[0][3], results[1][3], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    # each step's label rows are its counted positions: the drafter's own (M, V) projection is the same size
+    counts = results[0][2].tolist()
+    assert results[1][4][1::2] == counts and max(results[1][4]) < B * T

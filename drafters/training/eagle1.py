@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from drafters.acceptance import chain_tau
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import shift_left, ttt_label_mask
-from drafters.losses import soft_cross_entropy
+from drafters.losses import LabelLogits, soft_cross_entropy
 from drafters.training.schema import FeatureRecipe
 
 
@@ -104,7 +104,8 @@ def feature_loss(predicted: Tensor, target: Tensor) -> Tensor:
 def chain_loss(drafter: Eagle1Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 1,
                feature_weight: float = 1.0, token_weight: float = 0.1, noise: Tensor | None = None,
                return_logits: bool = False) -> Eagle1Output:
-    """The EAGLE-1 objective on drafter.chain_unroll's steps. target_logits (B, T, V); loss_mask (B, T) with
+    """The EAGLE-1 objective on drafter.chain_unroll's steps. target_logits (B, T, V), or a LabelLogits (read at
+    the counted rows only: drafters.losses); loss_mask (B, T) with
     loss_mask[s] = 1 iff token s is learnt. Step i at position t is scored against the target's row t+1+i
     (feature_{t+1+i}; its logits predict token t+2+i) where loss_mask[t+2+i]: SmoothL1 on the feature and
     soft CE against the target's distribution. The loss is that of step 0 only (the paper's objective);
@@ -115,7 +116,11 @@ def chain_loss(drafter: Eagle1Drafter, features, input_ids, target_logits, loss_
         num_rows = counted.shape[1]
         predicted = hidden[:, :num_rows][counted]  # (M, h)
         target_feature = shift_left(features, 1 + step)[:, :num_rows][counted]  # (M, h) feature t+1+i
-        target_rows = target_logits[:, 1 + step:][counted]  # (M, V) the target's row t+1+i
+        # (M, V) the target's row t+1+i: a (B, T) mask of those rows (same (b, t) order), so that a LabelLogits
+        # computes them alone, never the (B, T, V) logits
+        rows = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+        rows[:, 1 + step:1 + step + num_rows] = counted
+        target_rows = target_logits[rows]
         if return_logits:
             logits = drafter.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, V)
             step_logits.append(logits)
@@ -164,22 +169,23 @@ class Eagle1Objective(nn.Module):
 
 
 def eagle1_inputs_fn(recipe, target, drafter: Eagle1Drafter) -> Callable[[dict], tuple[Tensor, Tensor]]:
-    """-> batch -> (features (B, T, h) in the drafter's dtype, target logits (B, T, V)); no grad.
-    Online: one target forward. Offline: the batch's stored features; logits = the frozen head on them
+    """-> batch -> (features (B, T, h) in the drafter's dtype, the target's logits (B, T, V) as a LabelLogits: the
+    frozen head (drafter.head: the final norm too for the pre-norm feature) applied at the rows the loss reads);
+    no grad. Online: one target forward, without its LM head. Offline: the batch's stored features
     (drafters.training.features: exact up to the storage dtype)."""
     feature, dtype = drafter.config.feature, drafter.fc.weight.dtype
 
     @torch.no_grad()
     def offline(batch: dict):
         features = batch["features"]  # (B, T, h) storage dtype, zero on padding
-        return features.to(dtype), drafter.head(features)
+        return features.to(dtype), LabelLogits(features, drafter.head)
 
     @torch.no_grad()
     def online(batch: dict):
         out = target.features(batch["input_ids"], batch["attention_mask"], pre_norm_last=feature == "pre_norm",
-                              logits=True)
+                              logits=False)
         features = out.pre_norm_last if feature == "pre_norm" else out.last_hidden
-        return features.to(dtype), out.logits
+        return features.to(dtype), LabelLogits(features, drafter.head)
 
     return offline if recipe.features.dir else online
 

@@ -31,7 +31,9 @@ from torch import Tensor, nn
 from drafters.acceptance import chain_tau
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.decode.proposers.heads import TREE_FILE
+from drafters.eagle1 import FrozenHead
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
+from drafters.losses import LabelLogits
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.targets import Target
 from drafters.training.resume import Position
@@ -197,9 +199,11 @@ class HeadsObjective(nn.Module):
 
 
 def target_inputs(target: Target, batch: dict, dtype: torch.dtype, logits: bool):
-    """-> last hidden state (B, T, d) in the heads' dtype, target logits (B, T, V) or None; no grad."""
-    out = target.features(batch["input_ids"], batch["attention_mask"], logits=logits)
-    return out.last_hidden.to(dtype), out.logits
+    """-> last hidden state (B, T, d) in the heads' dtype, and the target's logits (B, T, V) as a LabelLogits (the
+    frozen head applied at the rows a head reads, drafters.losses: never the whole (B, T, V)) or None; no grad."""
+    out = target.features(batch["input_ids"], batch["attention_mask"], logits=False)
+    labels = LabelLogits(out.last_hidden, FrozenHead.from_target(target, "normed")) if logits else None
+    return out.last_hidden.to(dtype), labels
 
 
 # ---- the loop (drafters.training.loop.train_loop) ------------------------------------------------------
