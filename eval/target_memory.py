@@ -4,11 +4,13 @@ benchmark, not a test.
 
     python eval/target_memory.py --target smollm2-135m-instruct --dtype bfloat16
     python eval/target_memory.py --random-llama 2048,16,8192,128256 --dtype bfloat16 --json target-memory.json
+    python eval/target_memory.py --random-llama 2048,16,8192,128256 --dtype bfloat16 --split 2
 
 --random-llama HIDDEN,LAYERS,INTERMEDIATE,VOCAB writes a random-weight Llama of that shape (safetensors, in --dtype)
 to a temporary directory first (Llama-3.2-1B: 2048,16,8192,128256; Llama-3.1-8B: 4096,32,14336,128256) and
-deletes it afterwards. Each load runs in its own child process, so one load's allocations never count in the
-other's:
+deletes it afterwards. --split N also loads it split across N processes (torchrun, gloo: split_target=true's
+load, each process reading only its rows of the decoder layers). Each load runs in its own child process, so one
+load's allocations never count in the other's:
 
     base     resident GB of the child after its imports, before the load
     peak     the child's maximum resident GB (VmHWM), the load included, after every held page was read once (a
@@ -58,6 +60,29 @@ def child(target: str, dtype: str, decoder: bool) -> dict:
             "held_gb": sum(p.numel() * p.element_size() for p in params) / 2**30, "checksum": checksum}
 
 
+def split_child(target: str, dtype: str, out: str) -> None:
+    """One of N processes (torchrun): the target loaded with its layers on the meta device, split across the N
+    (drafters.training.launch.split_target, each reading its own rows), every held page read; writes its row."""
+    import torch  # noqa: F401
+    from accelerate import Accelerator
+
+    from drafters.targets import load_target
+    from drafters.training.launch import split_target
+
+    accelerator = Accelerator(cpu=True)
+    base = rss_gb()
+    loaded = load_target(target, dtype=dtype, decoder="meta")
+    held, whole = split_target(loaded, accelerator)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in loaded.model.parameters()]
+    checksum = sum(float(t.detach().reshape(-1)[::512].float().sum()) for t in local)
+    peak = peak_gb()
+    row = {"decoder": f"split/{accelerator.num_processes}", "rank": accelerator.process_index, "base_gb": base,
+           "peak_gb": peak, "load_gb": peak - base, "held_params": held,
+           "held_gb": sum(t.numel() * t.element_size() for t in {id(t): t for t in local}.values()) / 2**30,
+           "checksum": checksum, "whole_params": whole}
+    Path(f"{out}.{accelerator.process_index}.json").write_text(json.dumps(row))
+
+
 def write_random_llama(directory: Path, shape: str, dtype: str) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -86,10 +111,15 @@ def main() -> None:
     p.add_argument("--random-llama", help="HIDDEN,LAYERS,INTERMEDIATE,VOCAB: a random Llama written to a temp dir")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--split", type=int, default=0, help="also load it split across this many processes (torchrun)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--split-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], args.child[2] == "whole")))
+        return
+    if args.split_child:
+        split_child(*args.split_child)
         return
     if bool(args.target) == bool(args.random_llama):
         p.error("give one of --target or --random-llama")
@@ -101,6 +131,15 @@ def main() -> None:
                                  text=True, cwd=ROOT, check=True)
             rows.append({"target": args.target or f"random Llama {args.random_llama}", "dtype": args.dtype,
                          "loaded": kind, **json.loads(out.stdout.strip().splitlines()[-1])})
+        if args.split > 1:
+            prefix = Path(tmp) / "split-row"
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.split),
+                            __file__, "--split-child", target, args.dtype, str(prefix)], capture_output=True,
+                           text=True, cwd=ROOT, check=True)
+            for rank in range(args.split):
+                row = json.loads(Path(f"{prefix}.{rank}.json").read_text())
+                rows.append({"target": rows[0]["target"], "dtype": args.dtype,
+                             "loaded": f"split over {args.split}, process {rank}", **row})
     print("| target | dtype | loaded | held parameters | held GB | base GB | peak GB | load GB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

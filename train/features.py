@@ -36,6 +36,10 @@ def main(argv: list[str]) -> dict:
     if not recipe.features.dir:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/eagle.py streams from it when the recipe sets it)")
+    if recipe.split_target:
+        raise RecipeError("split_target=true is for training: train/features.py gives each process its own shards "
+                          "and the whole target; set split_target=false here (the store then trains a run that "
+                          "loads no decoder layer at all)")
     check_writable(recipe.features.dir, "features.dir=", directory=True)  # before the target loads
     if recipe.threads:
         torch.set_num_threads(recipe.threads)

@@ -8,6 +8,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from drafters.targets import resolve_precision
 from drafters.training.recipe import RecipeError
 
@@ -76,3 +78,69 @@ def outside_zero3():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def check_split(recipe, accelerator, decoder: bool) -> None:
+    """What a recipe's split_target=true cannot run under, refused in one sentence before the target loads."""
+    from accelerate.utils import DistributedType
+
+    if not recipe.split_target:
+        return
+    if not decoder:
+        raise RecipeError("split_target=true with features.dir: a run from a feature store loads none of the "
+                          "target's decoder layers (only its embeddings, final norm and LM head), so there is "
+                          "nothing to split; set split_target=false")
+    if accelerator.num_processes < 2:
+        raise RecipeError("split_target=true shards the target's decoder layers across the launch's processes, and "
+                          "this launch has one: start several (torchrun --nproc_per_node N, or accelerate launch "
+                          "--num_processes N) or set split_target=false")
+    if accelerator.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise RecipeError(f"split_target=true runs under data parallelism (DDP) only, where every process holds the "
+                          f"whole drafter and evaluates beside the others; this launch is "
+                          f"{accelerator.distributed_type.value}: launch without a DeepSpeed / FSDP config, or set "
+                          "split_target=false")
+
+
+def split_target(target, accelerator) -> tuple[int, int]:
+    """Shard each frozen decoder layer of `target` across the launch's processes with FSDP2's fully_shard (no
+    optimizer, no gradients: its parameters are frozen). In the target's forward each layer all-gathers its
+    parameters, runs, and frees the gathered copy (reshard_after_forward), so a process holds 1/N of the layers
+    plus one whole layer at a time; the computation, and so every feature, is the unsplit one's, bit for bit
+    (tests/test_split_target.py). Every process must then call the forward together: training does (DDP steps
+    together), and the held-out evaluation runs on every process. -> (parameters this process holds, of the whole).
+    The embeddings, final norm and LM head stay whole (the drafter and the labels read them directly). Called on
+    the target as loaded (in host memory), before it moves to the device: fully_shard places each process's shards
+    on the mesh's device, so no device ever holds the whole target; host memory holds it once per process while
+    it loads."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    whole = sum(p.numel() for p in target.model.parameters())
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    for layer in target.decoder_layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    if target.checkpoint_files is not None:  # loaded with decoder="meta": read this process's rows only
+        fill_shards(target, accelerator.device)
+    target.shards = accelerator.num_processes
+    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in target.model.parameters())
+    return held, whole
+
+
+def fill_shards(target, device) -> None:
+    """The sharded decoder layers of a target loaded with decoder="meta" (drafters.targets), materialised on
+    `device` and filled from the checkpoint: FSDP2 keeps rows [r * ceil(n / N), ...) of each (n, ...) tensor on
+    process r, and only those rows are read (safetensors slices), so no process ever holds a whole layer stack."""
+    from safetensors import safe_open
+
+    for layer in target.decoder_layers:
+        layer.to_empty(device=device)
+    names = {id(p): name for name, p in target.model.named_parameters()}
+    for layer in target.decoder_layers:
+        for param in layer.parameters():
+            name, local = names[id(param)], param.to_local()
+            rows = -(-param.shape[0] // param.device_mesh.size())  # ceil: torch.chunk's piece
+            start = min(param.device_mesh.get_local_rank() * rows, param.shape[0])
+            with safe_open(target.checkpoint_files[name], framework="pt") as f:
+                piece = f.get_slice(name)[start:start + local.shape[0]]
+            with torch.no_grad():
+                local.copy_(piece.to(local.dtype))

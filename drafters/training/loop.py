@@ -39,7 +39,7 @@ from drafters.training.resume import (
     resume_checkpoint,
     save_run_checkpoint,
 )
-from drafters.training.launch import check_launch_config, outside_zero3, shards_parameters
+from drafters.training.launch import check_launch_config, check_split, outside_zero3, shards_parameters, split_target
 from drafters.training.metrics import MetricsLog, StepMetrics, wandb_sink
 from drafters.training.memory import check_step_memory
 from drafters.training.optimizers import build_optimizer
@@ -123,8 +123,14 @@ def start_run(recipe, script: str, decoder: bool = True):
     # the autocast the Accelerator was given (launch_precision: a recipe's auto takes the launch's "no")
     dtype, _, precision = resolve_precision(recipe.dtype, mixed_precision_of(accelerator), accelerator.device)
     accelerator.print(precision)
+    check_split(recipe, accelerator, decoder)
     with outside_zero3():
-        target = load_target(recipe.target, dtype=dtype, decoder=decoder)
+        # a split target's layers wait on the meta device: each process reads only its shards (split_target)
+        target = load_target(recipe.target, dtype=dtype, decoder="meta" if recipe.split_target else decoder)
+    if recipe.split_target:  # before the move: each device receives its shards, never the whole target
+        held, whole = split_target(target, accelerator)
+        accelerator.print(f"target: decoder layers split across {accelerator.num_processes} processes: each holds "
+                          f"{held / 1e6:.2f}M of its {whole / 1e6:.2f}M parameters")
     target.model.to(accelerator.device)  # frozen: never given to the optimizer or to prepare()
     if not decoder:
         held = sum(p.numel() for p in target.model.parameters())
@@ -343,12 +349,16 @@ class RunBase:
             (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
 
     def evaluate(self, step: int) -> dict | None:
-        """Held-out metrics on the main process (None without held-out rows), appended to eval.jsonl."""
+        """Held-out metrics on the main process (None without held-out rows), appended to eval.jsonl. With a split
+        target every process evaluates (its forward is collective) and the main process reports."""
         from tqdm import tqdm
 
         result = None
         drafter = self.whole_drafter()  # every process: gathering shards is collective
-        if self.eval_batches and self.accelerator.is_main_process:
+        main = self.accelerator.is_main_process
+        if self.eval_batches and not main and self.target.shards > 1:
+            self.held_out(drafter)  # a split target's forward is collective: every process evaluates, one reports
+        if self.eval_batches and main:
             result = self.held_out(drafter)
             result["step"] = step
             tqdm.write(self.describe(result))  # keeps the progress bar intact

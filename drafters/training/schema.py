@@ -91,6 +91,10 @@ class TrainRecipe:
     # auto = bf16 where the hardware computes it (GPUs, CPUs with avx512_bf16 / AMX), else float32 / no:
     # emulated bf16 (e.g. an AVX2 CPU) is ~50x slower than float32 (drafters.targets.resolve_precision)
     dtype: Literal["auto", DtypeName] = "float32"  # the target's weights (drafters.dtypes)
+    # true: the frozen target's decoder layers are sharded across the launch's processes (FSDP2 over frozen
+    # parameters, gathered a layer at a time in its forward): each process holds 1/N of them (data parallel
+    # launches only; drafters.training.launch.split_target)
+    split_target: bool = False
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"  # autocast of the drafter (accelerate)
     threads: int = 0  # torch CPU threads; 0 = torch's default
     log_every: int = 10  # optimizer steps between metrics flushes (host syncs)
