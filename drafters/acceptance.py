@@ -36,6 +36,29 @@ def tree_tau(paths, rates: Sequence[Sequence[float]]) -> float:
     return 1.0 + sum(path_probability(p, rates) for p in paths)
 
 
+def position_acceptance(accepted: Sequence[int], depths: Sequence[int], rounds_per_answer: Sequence[int],
+                        bucket: int = 32) -> list[dict]:
+    """Rounds grouped by where in its answer each one starts. accepted[i], depths[i]: round i's accepted drafts and
+    its tree's depth, the rounds of answer 0 first, then answer 1's, ... (rounds_per_answer[j] of answer j). A round
+    that starts after p committed tokens of its answer (p = sum over the answer's earlier rounds of accepted + 1)
+    falls in [b * bucket, (b + 1) * bucket) with b = p // bucket. -> per non-empty bucket, in order:
+    {"start": b * bucket, "rounds", "tau", "per_depth_acceptance"}."""
+    if sum(rounds_per_answer) != len(accepted) or len(depths) != len(accepted):
+        raise ValueError(f"{len(accepted)} rounds, {len(depths)} depths, but the answers hold "
+                         f"{sum(rounds_per_answer)} rounds")
+    groups: dict[int, list[int]] = {}  # bucket -> round indices
+    i = 0
+    for rounds in rounds_per_answer:
+        position = 0
+        for _ in range(rounds):
+            groups.setdefault(position // bucket, []).append(i)
+            position += accepted[i] + 1
+            i += 1
+    return [{"start": b * bucket, "rounds": len(idx), "tau": sum(accepted[i] + 1 for i in idx) / len(idx),
+             "per_depth_acceptance": depth_acceptance([accepted[i] for i in idx], [depths[i] for i in idx])}
+            for b, idx in sorted(groups.items())]
+
+
 def depth_acceptance(accepted: Sequence[int], depths: Sequence[int]) -> list[float]:
     """[d - 1] = rounds that accepted depth d / rounds whose tree reached depth d, d = 1 .. deepest;
     accepted[i], depths[i]: round i's accepted drafts and its tree's depth."""

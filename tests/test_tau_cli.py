@@ -50,6 +50,10 @@ def test_prompt_lookup_end_to_end_writes_the_documented_json(bench, tmp_path, ca
     assert written["baseline"]["tokens"] == written["speculative"]["tokens"] > 0
     assert written["rounds"] == sum(p["rounds"] for p in written["per_prompt"])
     assert 1 <= written["tau"] <= 5
+    groups = written["by_answer_position"]  # 16 new tokens: every round starts in the first 32 of its answer
+    assert [(g["start"], g["rounds"]) for g in groups] == [(0, written["rounds"])]
+    assert groups[0]["tau"] == pytest.approx(written["tau"])
+    assert groups[0]["per_depth_acceptance"] == pytest.approx(written["per_depth_acceptance"])
     assert 0 <= written["model"]["a_from_tau"] <= 1
     assert "tau (accepted + bonus)" in capsys.readouterr().out
     assert not list(tmp_path.glob(".out.json.*"))  # no temp file left
@@ -185,6 +189,10 @@ def test_shards_merge_to_the_unsharded_run(bench, tmp_path):
     assert merged["rounds"] == whole["rounds"]
     assert merged["tau"] == pytest.approx(whole["tau"], abs=1e-12)
     assert merged["per_depth_acceptance"] == pytest.approx(whole["per_depth_acceptance"], abs=1e-12)
+    assert [(g["start"], g["rounds"]) for g in merged["by_answer_position"]] == \
+        [(g["start"], g["rounds"]) for g in whole["by_answer_position"]]
+    assert [g["tau"] for g in merged["by_answer_position"]] == \
+        pytest.approx([g["tau"] for g in whole["by_answer_position"]], abs=1e-12)
     assert sorted((p["id"], p["turn"], p["rounds"]) for p in merged["per_prompt"]) == \
         sorted((p["id"], p["turn"], p["rounds"]) for p in whole["per_prompt"])
 
@@ -223,3 +231,16 @@ def test_a_nan_drafter_is_refused_naming_the_tensor_not_measured_as_tau_1(bench,
     with pytest.raises(SystemExit, match=r"model.safetensors: non-finite weights \(NaN or inf\) in fc.weight \(1 of"):
         run(bench, tmp_path / "nan.json", "--proposer", str(tmp_path / "eagle3"), "--tree", "chain:2")
     assert not (tmp_path / "nan.json").exists()
+
+
+def test_rounds_are_grouped_by_where_their_answer_stood():
+    from drafters.acceptance import position_acceptance
+
+    # answer 0: rounds accepting 3, 0, 2 start at tokens 0, 4, 5; answer 1: 1, 3, 3 start at 0, 2, 6 (buckets of 4)
+    groups = position_acceptance([3, 0, 2, 1, 3, 3], [3] * 6, [3, 3], bucket=4)
+    assert [(g["start"], g["rounds"]) for g in groups] == [(0, 3), (4, 3)]
+    assert groups[0]["tau"] == pytest.approx((4 + 2 + 4) / 3) and groups[1]["tau"] == pytest.approx((1 + 3 + 4) / 3)
+    assert groups[0]["per_depth_acceptance"] == pytest.approx([1.0, 2 / 3, 2 / 3])  # accepted 3, 1, 3
+    assert groups[1]["per_depth_acceptance"] == pytest.approx([2 / 3, 2 / 3, 1 / 3])  # accepted 0, 2, 3
+    with pytest.raises(ValueError, match="6 rounds, 6 depths, but the answers hold 5 rounds"):
+        position_acceptance([3, 0, 2, 1, 3, 3], [3] * 6, [3, 2], bucket=4)

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from drafters.acceptance import geometric_chain_tau
+from drafters.acceptance import geometric_chain_tau, position_acceptance
 from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
 from drafters.decode.decoder import RoundStats, has_recurrent_layers, speculative_generate
@@ -357,6 +357,7 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
 
 
 # the RoundStats fields a report's "raw" holds: every round, so shards merge exactly
+POSITION_BUCKET = 32  # tokens of an answer per by_answer_position group
 RAW_ROUNDS = ("accepted", "tree_sizes", "tree_depths", "prefill_s", "draft_s", "verify_s", "other_s")
 
 
@@ -416,6 +417,9 @@ def summarize(run: Run, settings: Settings, budget: int, threads: int) -> dict:
         "threads": threads,
         "num_prompts": len(run.prompts), "skipped": run.skipped,
         "rounds": stats.num_rounds, "tau": stats.tau, "per_depth_acceptance": per_depth,
+        # where in the answers the rounds were: acceptance early in an answer differs from later on
+        "by_answer_position": position_acceptance(stats.accepted, stats.tree_depths,
+                                                  [p["rounds"] for p in run.prompts], POSITION_BUCKET),
         "baseline": {"tokens": run.base_tokens, "seconds": run.base_s, "tokens_per_s": base_tps},
         "speculative": {"tokens": run.spec_tokens, "seconds": run.spec_s, "tokens_per_s": spec_tps},
         "speedup": spec_tps / base_tps if measured else None,
@@ -525,6 +529,10 @@ def print_report(r: dict) -> None:
         ("tau (accepted + bonus)", f"{r['tau']:.3f} over {r['rounds']} rounds"),
         ("acceptance by depth", " ".join(f"d{d + 1}:{x:.2f}" for d, x in
                                          enumerate(r["per_depth_acceptance"])) or "-"),
+        *([("by answer position", "; ".join(
+            f"{g['start']}-{g['start'] + POSITION_BUCKET - 1}: tau {g['tau']:.2f}, d1 "
+            f"{(g['per_depth_acceptance'] or [0.0])[0]:.2f} ({g['rounds']} rounds)"
+            for g in r["by_answer_position"]))] if len(r.get("by_answer_position", [])) > 1 else []),
         ("baseline generate", f"{r['baseline']['tokens_per_s']:.2f} tok/s "
                               f"({r['baseline']['tokens']} tokens, {r['baseline']['seconds']:.1f} s)"),
         ("speculative", f"{r['speculative']['tokens_per_s']:.2f} tok/s "
