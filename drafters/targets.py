@@ -177,7 +177,8 @@ class Target:
 
     @property
     def checkpoint_files(self) -> dict[str, Path] | None:
-        """Tensor name -> safetensors file, for a target whose decoder layers wait on the meta device (decoder="meta")."""
+        """Tensor name -> safetensors file, for a target whose decoder layers wait on the meta device
+        (decoder="meta")."""
         return getattr(self.model, "checkpoint_files", None)
 
     @property

@@ -92,7 +92,8 @@ def write_random_llama(directory: Path, shape: str, dtype: str) -> Path:
 
     hidden, layers, intermediate, vocab = (int(x) for x in shape.split(","))
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
-                         vocab_size=vocab, num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512),
+                         vocab_size=vocab, num_attention_heads=max(1, hidden // 128),
+                         num_key_value_heads=max(1, hidden // 512),
                          head_dim=128 if hidden >= 128 else hidden, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

@@ -356,8 +356,8 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
                         "tau": stats.tau, "match": match})
 
 
-# the RoundStats fields a report's "raw" holds: every round, so shards merge exactly
 POSITION_BUCKET = 32  # tokens of an answer per by_answer_position group
+# the RoundStats fields a report's "raw" holds: every round, so shards merge exactly
 RAW_ROUNDS = ("accepted", "tree_sizes", "tree_depths", "prefill_s", "draft_s", "verify_s", "other_s")
 
 
