@@ -170,71 +170,125 @@ def soft_cross_entropy_draft_vocab(draft_logits: Tensor, target_logits: Tensor, 
 
 class LinearSoftCrossEntropy(torch.autograd.Function):
     """The loss of `soft_cross_entropy` (D = `divergence_rows`, plus tv_weight x total variation) of the logits
-    z = x W^T, fused with the LM head and differentiated in the forward pass, `chunk` rows at a time, so no
-    (M, Vd) logits, log-probabilities or softmax are kept for backward (seven TTT steps of them are most of
-    EAGLE-3's training memory). Per row m, with q = softmax(z_m), sum_d p_md = 1 (target_p is a
-    distribution over the draft vocabulary), lam = tv_weight and g = 1/2 sign(q_m - p_m):
+    z = x W^T, fused with the LM head, `chunk` rows at a time, so no (M, Vd) logits, log-probabilities or softmax
+    are kept for backward (seven TTT steps of them are most of EAGLE-3's training memory). Per row m, with
+    q = softmax(z_m), sum_d p_md = 1 (target_p is a distribution over the draft vocabulary), lam = tv_weight and
+    g = 1/2 sign(q_m - p_m):
         loss     = scale * sum_m [D(p_m, q_m) + lam/2 sum_d |q_md - p_md|]
         dL/dz_m  = scale * (dD/dz_m + lam q_m * (g - <q_m, g>))    (c, Vd) per chunk, then dropped
                    (dD/dz_m from `divergence_grad`, q_m - p_m for kl; the softmax Jacobian is
                    d q_d / d z_j = q_d (delta_dj - q_j))
-        dL/dx_m  = dL/dz_m W           dL/dW = sum_m dL/dz_m^T x_m    kept: (M, h) and (Vd, h)
-    backward scales the kept gradients by the incoming scalar gradient. Matmuls run in x's dtype (bf16
-    under autocast), the softmax and the accumulated dL/dW in float32, as the unfused path does."""
+        dL/dx_m  = dL/dz_m W           dL/dW = sum_m dL/dz_m^T x_m    (M, h) and (Vd, h)
+    Two schedules of the same arithmetic (recompute):
+        False  the gradients are computed in the forward pass and kept until backward: one matmul pass, but each
+               call holds a (Vd, h) float32 dL/dW (k of them over k TTT steps)
+        True   forward computes the loss alone and keeps x; backward recomputes z, p and dL/dz chunk by chunk:
+               one more pass of z (and of the labels, when target_p is a RecomputedLabels), nothing kept that
+               grows with Vd
+    backward scales the gradients by the incoming scalar gradient; both schedules give the same numbers. Matmuls run
+    in x's dtype (bf16 under autocast), the softmax and the accumulated dL/dW in float32, as the unfused path does."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, target_p: Tensor, scale: float, chunk: int, tv_weight: float,
-                divergence: str, target_rows: Tensor | None = None):
+    def forward(ctx, x: Tensor, weight: Tensor, target_p, scale: float, chunk: int, tv_weight: float,
+                divergence: str, target_rows: Tensor | None = None, recompute: bool = False):
         # target_rows (M,): row m's labels are target_p[target_rows[m]] (a step's rows of the whole label table,
-        # gathered a chunk at a time: no (M, Vd) copy of it per step); None: target_p is (M, Vd) itself
-        w = weight.to(x.dtype)
+        # gathered a chunk at a time: no (M, Vd) copy of it per step); None: target_p is (M, Vd) itself.
+        # target_p is a tensor or a RecomputedLabels (rows of it computed when read)
         train_w = ctx.needs_input_grad[1]  # a frozen head (DFlash: the target's rows) needs no dL/dW
-        grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32,
-                                                            device=x.device)
+        ctx.setup = (scale, chunk, tv_weight, divergence, train_w, weight.dtype)
         loss, argmax = x.new_zeros((), dtype=torch.float32), torch.empty(len(x), dtype=torch.long, device=x.device)
-        for start in range(0, len(x), chunk):
-            rows = slice(start, start + chunk)
-            p = target_p[rows] if target_rows is None else target_p[target_rows[rows]]  # (c, Vd)
-            z = (x[rows] @ w.T).float()  # (c, Vd)
-            log_q = torch.log_softmax(z, dim=-1)
-            argmax[rows] = z.argmax(-1)
-            row_loss, dz, q = divergence_grad(log_q, p, divergence)  # (c,), (c, Vd), (c, Vd)
-            loss += row_loss.sum()
-            if tv_weight:
-                difference = q - p
-                loss += tv_weight * 0.5 * difference.abs().sum()
-                g = 0.5 * difference.sign()
-                dz += tv_weight * q * (g - (q * g).sum(-1, keepdim=True))
-            dz = dz.mul_(scale).to(x.dtype)
-            grad_x[rows] = dz @ w
-            if train_w:
-                grad_w += (dz.T @ x[rows]).float()
-        ctx.save_for_backward(grad_x, grad_w)
-        ctx.weight_dtype = weight.dtype
+        grads = None if recompute else fused_chunks(ctx, x, weight, target_p, target_rows, loss, argmax)
+        if recompute:
+            w = weight.to(x.dtype)
+            for rows in chunk_slices(len(x), chunk):
+                z = (x[rows] @ w.T).float()  # (c, Vd)
+                argmax[rows] = z.argmax(-1)
+                add_chunk_loss(loss, z, chunk_labels(target_p, target_rows, rows), tv_weight, divergence)
+            ctx.labels = (target_p, target_rows)
+            ctx.save_for_backward(x, weight)
+        else:
+            ctx.save_for_backward(*grads)
+        ctx.recompute = recompute
         ctx.mark_non_differentiable(argmax)
         return loss * scale, argmax
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_argmax):
-        grad_x, grad_w = ctx.saved_tensors
-        grad_w = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None, None, None
+        if ctx.recompute:
+            x, weight = ctx.saved_tensors
+            grad_x, grad_w = fused_chunks(ctx, x, weight, *ctx.labels)
+        else:
+            grad_x, grad_w = ctx.saved_tensors
+        train_w, weight_dtype = ctx.setup[4:]
+        grad_w = (grad_w * grad_loss).to(weight_dtype) if train_w else None
+        return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None, None, None, None
+
+
+def chunk_slices(rows: int, chunk: int):
+    return (slice(start, start + chunk) for start in range(0, rows, chunk))
+
+
+def chunk_labels(target_p, target_rows: Tensor | None, rows: slice) -> Tensor:
+    """The (c, Vd) labels of the chunk `rows` of the fused loss's x."""
+    return target_p[rows] if target_rows is None else target_p[target_rows[rows]]
+
+
+@torch.no_grad()
+def add_chunk_loss(loss: Tensor, z: Tensor, p: Tensor, tv_weight: float, divergence: str) -> None:
+    """Add the summed loss of one chunk of logits z (c, Vd) float32 against p (c, Vd), without its gradient, into
+    `loss`, in fused_chunks' order of additions (the two schedules' losses are equal bit for bit)."""
+    log_q = torch.log_softmax(z, dim=-1)
+    loss += divergence_rows(log_q, p, divergence).sum()
+    if tv_weight:
+        loss += tv_weight * 0.5 * (log_q.exp() - p).abs().sum()
+
+
+@torch.no_grad()
+def fused_chunks(ctx, x: Tensor, weight: Tensor, target_p, target_rows: Tensor | None,
+                 loss: Tensor | None = None, argmax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """LinearSoftCrossEntropy's chunk loop: dL/dx (M, h) and dL/dW (Vd, h) float32 (empty for a frozen head), each
+    scaled by ctx.setup's scale; adds each chunk's loss into `loss` and writes its argmax where given."""
+    scale, chunk, tv_weight, divergence, train_w, _ = ctx.setup
+    w = weight.to(x.dtype)
+    grad_x = torch.empty_like(x)
+    grad_w = torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32, device=x.device)
+    for rows in chunk_slices(len(x), chunk):
+        p = chunk_labels(target_p, target_rows, rows)  # (c, Vd)
+        z = (x[rows] @ w.T).float()  # (c, Vd)
+        if argmax is not None:
+            argmax[rows] = z.argmax(-1)
+        row_loss, dz, q = divergence_grad(torch.log_softmax(z, dim=-1), p, divergence)  # (c,), (c, Vd), (c, Vd)
+        if loss is not None:
+            loss += row_loss.sum()
+        if tv_weight:
+            difference = q - p
+            if loss is not None:
+                loss += tv_weight * 0.5 * difference.abs().sum()
+            g = 0.5 * difference.sign()
+            dz += tv_weight * q * (g - (q * g).sum(-1, keepdim=True))
+        dz = dz.mul_(scale).to(x.dtype)
+        grad_x[rows] = dz @ w
+        if train_w:
+            grad_w += (dz.T @ x[rows]).float()
+    return grad_x, grad_w
 
 
 def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,
                               num_positions: int | None = None, chunk: int = 256, tv_weight: float = 0.0,
-                              divergence: str = "kl", target_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                              divergence: str = "kl", target_rows: Tensor | None = None, recompute: bool = False
+                              ) -> tuple[Tensor, Tensor, Tensor]:
     """`soft_cross_entropy(x @ weight.T, target_p, ...)` over rows that all count, without the logits tensor.
     x (M, h) the normed hidden states, weight (Vd, h) the drafter's LM head, target_p (M, Vd), argmax_draft
-    (M,); or target_p (N, Vd) the whole label table and target_rows (M,) the rows of it that x's rows are scored
-    against (read a chunk at a time). -> (loss, accuracy, count) as `soft_cross_entropy` returns them
+    (M,); or target_p (N, Vd) the whole label table (or a RecomputedLabels) and target_rows (M,) the rows of it
+    that x's rows are scored against (read a chunk at a time). recompute: the gradients in backward
+    (LinearSoftCrossEntropy). -> (loss, accuracy, count) as `soft_cross_entropy` returns them
     (loss = sum / num_positions, default the mean over the M rows)."""
     count = torch.tensor(len(x), device=x.device)
     scale = 1.0 / (num_positions if num_positions is not None else max(len(x), 1))
     if torch.is_autocast_enabled(x.device.type):  # the matmul dtype an autocast nn.Linear would use
         x = x.to(torch.get_autocast_dtype(x.device.type))
     loss, argmax = LinearSoftCrossEntropy.apply(x, weight, target_p, scale, chunk, tv_weight, divergence,
-                                                target_rows)
+                                                target_rows, recompute)
     accuracy = (argmax == argmax_draft).sum() / count.clamp(min=1)
     return loss, accuracy, count
 
@@ -251,28 +305,57 @@ class FusedLinearHead(nn.Linear):
 
     def forward(self, x: Tensor, target_p: Tensor | None = None, argmax_draft: Tensor | None = None, *,
                 num_positions: int | None = None, tv_weight: float = 0.0, divergence: str = "kl",
-                target_rows: Tensor | None = None):
+                target_rows: Tensor | None = None, recompute: bool = False):
         if target_p is None:
             return super().forward(x)
         return linear_soft_cross_entropy(x, self.weight, target_p, argmax_draft, num_positions=num_positions,
-                                         tv_weight=tv_weight, divergence=divergence, target_rows=target_rows)
+                                         tv_weight=tv_weight, divergence=divergence, target_rows=target_rows,
+                                         recompute=recompute)
 
 
-def chunked_draft_vocab_targets(drafter, target_logits, needed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+class RecomputedLabels:
+    """The label table of `chunked_draft_vocab_targets` without the table: row n of it, target_p[n] (Vd,), is
+    computed each time it is read, from the target's final hidden state at the n-th needed position (the frozen
+    head applied to those rows only, then `draft_vocab_targets`). Indexed like the table, by a (c,) row index ->
+    (c, Vd) float32; what it keeps is (N, h), not (N, Vd). The fused loss reads each row twice per TTT step
+    (forward and backward): the label head's matmul is paid 2k times instead of once, for memory flat in Vd."""
+
+    def __init__(self, hidden: Tensor, head, t2d: Tensor, draft_vocab_size: int):
+        self.hidden, self.head, self.t2d, self.draft_vocab_size = hidden, head, t2d, draft_vocab_size
+
+    @torch.no_grad()
+    def __getitem__(self, rows: Tensor) -> Tensor:
+        return draft_vocab_targets(self.head(self.hidden[rows]), self.t2d, self.draft_vocab_size)[0]
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+
+def chunked_draft_vocab_targets(drafter, target_logits, needed: Tensor, *, recompute: bool = False
+                                ) -> tuple[Tensor | RecomputedLabels, Tensor, Tensor]:
     """`draft_vocab_targets` at the rows where `needed` (B, T) bool, computed a label chunk at a time
     (label_chunks) into tables allocated once: the target's logits are never held at all N rows at once, and the
     (N, Vd) labels exist once (no list of pieces concatenated, no copy of the in-vocabulary rows).
+    recompute (target_logits a LabelLogits): target_p is a RecomputedLabels over the N needed hidden rows instead
+    of the (N, Vd) table; in_vocab and argmax_draft are computed as before.
     -> target_p (N, Vd) float32, in_vocab (N,) bool, argmax_draft (N,) long, in the order of needed's True rows."""
-    n, device = int(needed.sum()), needed.device
-    target_p = torch.empty(n, drafter.config.draft_vocab_size, dtype=torch.float32, device=device)
+    n, device, vd = int(needed.sum()), needed.device, drafter.config.draft_vocab_size
+    recompute = recompute and isinstance(target_logits, LabelLogits)  # a logits tensor is already (B, T, V)
+    target_p = None if recompute else torch.empty(n, vd, dtype=torch.float32, device=device)
     in_vocab = torch.empty(n, dtype=torch.bool, device=device)
     argmax_draft = torch.empty(n, dtype=torch.long, device=device)
-    start = 0
+    start, rank = 0, draft_rank(drafter.t2d) if recompute else None
     for logits in label_chunks(target_logits, needed):
         end = start + len(logits)
-        target_p[start:end], in_vocab[start:end], argmax_draft[start:end] = draft_vocab_targets(
-            logits, drafter.t2d, drafter.config.draft_vocab_size)
+        if recompute:  # the argmax alone: what draft_vocab_targets reads of the full-vocab logits besides p
+            argmax = logits.argmax(-1)
+            in_vocab[start:end], argmax_draft[start:end] = drafter.t2d[argmax], rank[argmax]
+        else:
+            target_p[start:end], in_vocab[start:end], argmax_draft[start:end] = draft_vocab_targets(
+                logits, drafter.t2d, vd)
         start = end
+    if recompute:
+        target_p = RecomputedLabels(target_logits.hidden[needed], target_logits.head, drafter.t2d, vd)
     return target_p, in_vocab, argmax_draft
 
 
@@ -285,14 +368,16 @@ def table_rows(needed: Tensor, in_vocab: Tensor) -> Tensor:
     return rows
 
 
-def supervised_targets(drafter, target_logits, loss_mask: Tensor
-                       ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+def supervised_targets(drafter, target_logits, loss_mask: Tensor, *, recompute: bool = False
+                       ) -> tuple[Tensor, tuple[Tensor | RecomputedLabels, Tensor]]:
     """The target side of the EAGLE-3 / P-EAGLE loss, at the rows some TTT step (or P-EAGLE slot) scores: row r (label of step i at
     t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
     vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
         rows (B, T) long: index of row r into the two tensors below, -1 where never scored
         target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at the needed rows (those whose
-        target argmax is outside the draft vocabulary are in the tables but no position points at them)"""
+        target argmax is outside the draft vocabulary are in the tables but no position points at them);
+        recompute: target_p a RecomputedLabels (chunked_draft_vocab_targets)"""
     needed = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1).bool()  # (B, T): loss_mask[r+1]
-    target_p, in_vocab, argmax_draft = chunked_draft_vocab_targets(drafter, target_logits, needed)
+    target_p, in_vocab, argmax_draft = chunked_draft_vocab_targets(drafter, target_logits, needed,
+                                                                   recompute=recompute)
     return table_rows(needed, in_vocab), (target_p, argmax_draft)

@@ -3,6 +3,7 @@
     python eval/memory_bench.py                                     # the default grid below, one thread
     python eval/memory_bench.py --families eagle3 --seq 512,2048,8192 --vocab 32000 --ttt 3,7 --json mem.json
     python eval/memory_bench.py --estimate-only --seq 32768 --vocab 128000   # the estimate alone, in seconds
+    python eval/memory_bench.py --families eagle3 --ttt 7 --vocab-memory table,recompute   # EAGLE-3's two modes
 
 Each setting is one optimizer step of the family's real objective (drafters.training.scale.measure_step: the
 family's tiny recipe with the setting's overrides, the frozen target's forward, the drafter's loss, backward,
@@ -19,7 +20,9 @@ resident set (getrusage), so one setting's allocations never count in another's:
                  whole sequence, and EAGLE-3's (T, kT) float32 training-time-test mask (k = TTT steps)
 
 The target's vocabulary is --vocab and so is the draft vocabulary (EAGLE-3, DSpark, P-EAGLE: draft_vocab_size;
-DFlash drafts over it). Settings whose child fails (out of memory, a crash) are reported with the reason.
+DFlash drafts over it). --vocab-memory steps EAGLE-3 with each of its recipe's vocab_memory modes (table: the label
+table and each TTT step's head gradient kept; recompute: both recomputed in backward, flat in V). Settings whose
+child fails (out of memory, a crash) are reported with the reason.
 """
 
 import argparse
@@ -35,10 +38,11 @@ FAMILIES = ("eagle3", "dflash", "dspark", "peagle")
 LAYERS = 8  # the random target's depth: EAGLE-3's default aux layers [2, 4, 5] need at least 6
 
 
-def family_overrides(family: str, ttt: int) -> tuple[str, ...]:
-    """The setting's recipe overrides: the TTT depth where the family has one, DFlash's anchors sized to T."""
+def family_overrides(family: str, ttt: int, vocab_memory: str = "table") -> tuple[str, ...]:
+    """The setting's recipe overrides: the TTT depth and vocab_memory where the family has them (EAGLE-3), DFlash's
+    block shape."""
     if family == "eagle3":
-        return (f"ttt_steps={ttt}",)
+        return (f"ttt_steps={ttt}", f"vocab_memory={vocab_memory}")
     if family in ("dflash", "dspark"):
         return ("dflash.block_size=8", "dflash.num_layers=1", "dflash.anchors=64")
     return ()
@@ -63,7 +67,7 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     target = narrow_target(spec, torch.device("cpu"))
-    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"]),
+    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"], spec["vocab_memory"]),
                           draft_vocab=spec["vocab"])
     before = rss_gb()
     result = measure_step(setting, target, steps=1, warmup=0, count=False)
@@ -85,7 +89,7 @@ def estimate_only(spec: dict) -> dict:
     if shape is None:
         return {"status": "not estimated"}
     target = narrow_target(spec, torch.device("cpu"))  # random weights, built in a second
-    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"]),
+    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"], spec["vocab_memory"]),
                           draft_vocab=spec["vocab"])
     objective, _, _ = build_step(setting, target)
     recipe = recipe_for(setting, target.vocab_size)
@@ -121,13 +125,14 @@ def dense_gb(spec: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | T | V | TTT | status | tok/s | rss_before GB | peak GB | step GB | estimate GB | "
-             "dense (T,V) / (T,kT) GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| family | T | V | TTT | vocab_memory | status | tok/s | rss_before GB | peak GB | step GB | "
+             "estimate GB | dense (T,V) / (T,kT) GB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r["status"] == "ok"
         number = (lambda key, f: format(r[key], f) if ok and r.get(key) is not None else "-")
-        lines.append(f"| {r['family']} | {r['seq']} | {r['vocab']} | {r['ttt'] if r['family'] == 'eagle3' else '-'} "
-                     f"| {r['status']} | {number('tokens_per_s', '.0f')} | {number('rss_before_gb', '.2f')} | "
+        eagle3 = r["family"] == "eagle3"
+        lines.append(f"| {r['family']} | {r['seq']} | {r['vocab']} | {r['ttt'] if eagle3 else '-'} "
+                     f"| {r.get('vocab_memory', 'table') if eagle3 else '-'} | {r['status']} | {number('tokens_per_s', '.0f')} | {number('rss_before_gb', '.2f')} | "
                      f"{number('peak_gb', '.2f')} | {number('step_gb', '.2f')} | {number('estimate_gb', '.2f')} | "
                      f"{dense_gb(r)} |")
     return "\n".join(lines)
@@ -139,6 +144,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq", default="512,2048,8192", help="sequence lengths T (comma-separated)")
     p.add_argument("--vocab", default="32000,128000", help="vocabularies V (comma-separated)")
     p.add_argument("--ttt", default="3,7", help="EAGLE-3's training-time-test depths (others ignore it)")
+    p.add_argument("--vocab-memory", default="table",
+                   help="EAGLE-3's vocab_memory modes to step (comma-separated: table, recompute)")
     p.add_argument("--hidden", type=int, default=256, help="the random target's width (default 256)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900, help="seconds per setting before it is reported as such")
@@ -158,16 +165,20 @@ def main(argv=None) -> list[dict]:
         seqs, vocabs, ttts = ([int(x) for x in getattr(args, k).split(",")] for k in ("seq", "vocab", "ttt"))
     except ValueError as err:
         raise SystemExit(f"--seq, --vocab and --ttt take comma-separated integers ({err})") from None
+    modes = args.vocab_memory.split(",")
+    if not set(modes) <= {"table", "recompute"}:
+        raise SystemExit(f"--vocab-memory {args.vocab_memory}: use table, recompute or both, comma-separated")
     rows = []
     for family in families:
         for seq in seqs:
             for vocab in vocabs:
                 for ttt in (ttts if family == "eagle3" else ttts[:1]):
-                    spec = {"family": family, "seq": seq, "vocab": vocab, "ttt": ttt, "hidden": args.hidden,
-                            "threads": args.threads}
-                    rows.append({**spec, **(estimate_only(spec) if args.estimate_only else
-                                            run_setting(spec, args.timeout))})
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
+                    for mode in (modes if family == "eagle3" else ["table"]):
+                        spec = {"family": family, "seq": seq, "vocab": vocab, "ttt": ttt, "hidden": args.hidden,
+                                "threads": args.threads, "vocab_memory": mode}
+                        rows.append({**spec, **(estimate_only(spec) if args.estimate_only else
+                                                run_setting(spec, args.timeout))})
+                        print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -305,3 +305,85 @@ def test_eagle1_scores_label_rows_as_the_whole_logits():
     # each step's label rows are its counted positions: the drafter's own (M, V) projection is the same size
     counts = results[0][2].tolist()
     assert results[1][4][1::2] == counts and max(results[1][4]) < B * T
+
+
+# ---- vocab_memory=recompute: the same loss with nothing kept that grows with the draft vocabulary ---------------
+
+
+@pytest.mark.parametrize("divergence, tv_weight", [("kl", 0.0), ("jsd", 0.5)])
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_recomputing_in_backward_gives_the_fused_loss_and_gradients_bit_for_bit(divergence, tv_weight, frozen_head):
+    # the two schedules of LinearSoftCrossEntropy run the same chunk arithmetic, once in forward (kept) or again in
+    # backward (recompute): loss, argmax and both gradients equal at tolerance 0, a frozen head (DFlash) included
+    table = torch.softmax(torch.randn(40, 30, generator=torch.Generator().manual_seed(0)), -1)  # (N, Vd)
+    rows = torch.randint(0, 40, (25,), generator=torch.Generator().manual_seed(4))
+    results = []
+    for recompute in (False, True):
+        x = torch.randn(25, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        weight = torch.randn(30, 8, generator=torch.Generator().manual_seed(2)).requires_grad_(not frozen_head)
+        loss, accuracy, _ = linear_soft_cross_entropy(x, weight, table, table.argmax(-1)[rows], chunk=7,
+                                                      divergence=divergence, tv_weight=tv_weight, target_rows=rows,
+                                                      recompute=recompute)
+        (3 * loss).backward()  # an upstream gradient that is not 1
+        results.append((loss.detach(), accuracy, x.grad, weight.grad))
+    for kept, recomputed in zip(*results):
+        if kept is None:
+            assert recomputed is None and frozen_head
+            continue
+        torch.testing.assert_close(recomputed, kept, rtol=0, atol=0)
+    assert results[0][2].abs().sum() > 0
+
+
+def test_recomputed_labels_are_rows_of_the_label_table():
+    # RecomputedLabels[n] is computed from the n-th needed hidden row when read; it equals row n of the table
+    # supervised_targets fills, and the rows index and argmax_draft are unchanged
+    from types import SimpleNamespace
+
+    import drafters.losses as losses
+
+    torch.manual_seed(0)
+    V, h, draft = 50, 8, 20
+    head = torch.nn.Linear(h, V, bias=False)
+    hidden, loss_mask = torch.randn(2, 9, h), (torch.rand(2, 9) > 0.3).long()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V)[:draft]] = True
+    drafter = SimpleNamespace(t2d=t2d, config=SimpleNamespace(draft_vocab_size=draft))
+    rows, (table, argmax) = losses.supervised_targets(drafter, LabelLogits(hidden, head), loss_mask)
+    rows_r, (labels, argmax_r) = losses.supervised_targets(drafter, LabelLogits(hidden, head), loss_mask,
+                                                           recompute=True)
+    assert isinstance(labels, losses.RecomputedLabels) and labels.hidden.shape == (len(table), h)  # (N, h) kept
+    assert torch.equal(rows_r, rows) and torch.equal(argmax_r, argmax)
+    index = torch.tensor([3, 0, 3, len(table) - 1])
+    torch.testing.assert_close(labels[index], table[index], rtol=1e-6, atol=1e-7)  # the head over other rows
+
+
+@pytest.mark.parametrize("divergence", ["kl", "lk"])
+def test_ttt_loss_with_recomputed_labels_equals_the_label_table(divergence):
+    # the whole EAGLE-3 objective (7 TTT steps) under vocab_memory=recompute: loss, per-step accuracies and every
+    # drafter gradient equal the table schedule's (the label head's matmul over other rows: float32 tolerance)
+    from drafters.draft_vocab import build_draft_vocab
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from drafters.training.eagle3 import ttt_loss
+
+    torch.manual_seed(0)
+    V, h, draft = 64, 32, 24
+    config = Eagle3Config(hidden_size=h, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, vocab_size=V, draft_vocab_size=draft, max_position_embeddings=64,
+                          aux_layers=[1, 2, 3])
+    counts = torch.arange(V, 0, -1).float()
+    drafter = Eagle3Drafter(config, build_draft_vocab(counts, V, draft))
+    embed, head = torch.nn.Embedding(V, h), torch.nn.Linear(h, V, bias=False)
+    features, ids = torch.randn(2, 12, 3 * h), torch.randint(0, V, (2, 12))
+    hidden, loss_mask = torch.randn(2, 12, h), torch.ones(2, 12, dtype=torch.long)
+    loss_mask[1, :4] = 0
+    runs = []
+    for recompute in (False, True):
+        drafter.zero_grad()
+        out = ttt_loss(drafter, features, ids, LabelLogits(hidden, head), loss_mask, embed, steps=7,
+                       divergence=divergence, recompute=recompute)
+        out.loss.backward()
+        runs.append((out.loss.detach(), out.step_accuracies, gradients(drafter)))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(runs[1][1], runs[0][1])
+    for recomputed, kept in zip(runs[1][2], runs[0][2], strict=True):
+        torch.testing.assert_close(recomputed, kept, rtol=1e-5, atol=1e-7)

@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import drafters.training.memory as memory
 from drafters.training.families import load_recipe, train
@@ -27,6 +28,7 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(family, knob, tmp_path
     said = str(refused.value)
     assert said.startswith("recipe: one training step needs about ") and "more than the 1 MB free on cpu" in said
     assert "data.max_length" in said and "batch_size" in said and knob in said and "check_memory=false" in said
+    assert ("set vocab_memory=recompute" in said) == (family == "eagle3")  # EAGLE-3's switch, flat in the vocabulary
     assert not list((tmp_path / family).glob("checkpoint-*"))  # nothing trained, nothing saved
 
 
@@ -40,12 +42,13 @@ def test_the_estimate_grows_as_its_terms_say():
     # labels and head gradients linear in the draft vocabulary; the online target's hidden states on top
     import torch
 
-    def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False):
-        recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq), ttt_steps=steps)
+    def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False, vocab_memory="table"):
+        recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq), ttt_steps=steps,
+                                 vocab_memory=vocab_memory)
         drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64),
                                   parameters=lambda: [torch.zeros(100, requires_grad=True)])
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
-            hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16)
+            hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16, vocab_size=3000)
         return memory.estimate_step(memory.ttt_shape(recipe, drafter), recipe, target, drafter, online=online).parts
 
     base = estimate()
@@ -58,3 +61,48 @@ def test_the_estimate_grows_as_its_terms_say():
     assert deeper["head grads"] == 2 * base["head grads"] and deeper["activations"] == 2 * base["activations"]
     assert wider["labels"] == 2 * base["labels"] and wider["activations"] == base["activations"]
     assert estimate(online=True)["target"] == 2 * 512 * 32 * 4 * 2
+
+
+def test_recomputed_labels_take_the_vocabulary_out_of_the_estimate():
+    # vocab_memory=recompute: the labels are the target's (B T, h_t) float32 hidden rows and one head gradient is
+    # held at a time; the only term left in Vd is the constant-size chunk (transients), none grows with T x Vd
+    import torch
+
+    def parts(vocab, seq=512, vocab_memory="recompute"):
+        recipe = SimpleNamespace(batch_size=2, data=SimpleNamespace(max_length=seq), ttt_steps=7,
+                                 vocab_memory=vocab_memory)
+        drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64),
+                                  parameters=lambda: [])
+        target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
+            hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16, vocab_size=3000)
+        shape = memory.ttt_shape(recipe, drafter)
+        return memory.estimate_step(shape, recipe, target, drafter, online=False), shape
+
+    small, shape = parts(1000)
+    assert small.parts["labels"] == 2 * 512 * 32 * 4 and small.parts["head grads"] == 1000 * 64 * 4
+    assert parts(2000)[0].parts["labels"] == small.parts["labels"]
+    assert parts(1000, seq=1024)[0].parts["labels"] == 2 * small.parts["labels"]
+    assert small.parts["transients"] == 16 * 256 * 1000 + 8 * 2**24 + 12 * 256 * 3000
+    assert shape.switches == ()
+    table, table_shape = parts(1000, vocab_memory="table")
+    assert table.parts["labels"] == 2 * 512 * 1000 * 4 and table.parts["head grads"] == 7 * 1000 * 64 * 4
+    assert any("vocab_memory=recompute" in switch for switch in table_shape.switches)
+
+
+def test_a_run_with_recomputed_labels_trains_as_the_table_run(tmp_path):
+    # vocab_memory=recompute changes what the step keeps, not what it computes: two steps of the tiny EAGLE-3
+    # recipe give the same weights (the label head's matmul over other rows: float32 tolerance)
+    from safetensors.torch import load_file
+
+    runs = [train(recipe("eagle3", tmp_path / mode, f"vocab_memory={mode}")) for mode in ("table", "recompute")]
+    assert runs[0].steps == runs[1].steps == 2
+    weights = [load_file(next((tmp_path / mode / "eagle3").glob("checkpoint-final/*.safetensors")))
+               for mode in ("table", "recompute")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_vocab_memory_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(RecipeError, match="vocab_memory"):
+        load_recipe([str(ROOT / "recipes" / "eagle3_tiny.yaml"), "vocab_memory=lazy", f"output_dir={tmp_path}"])

@@ -71,6 +71,11 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
     # the held-out evaluation's chain depth (evaluate_eagle3); null = ttt_steps. Set it to compare runs trained
     # at different depths on one scale
     eval_ttt_steps: int | None = None
+    # what the loss keeps that grows with the draft vocabulary Vd (drafters.losses.LinearSoftCrossEntropy):
+    # table = the (N, Vd) float32 label table and each TTT step's (Vd, h) head gradient, kept from forward to
+    # backward (fastest); recompute = neither: labels and gradients recomputed chunk by chunk in backward, memory flat
+    # in Vd beyond the weights, for about twice the LM heads' matmuls (report/memory)
+    vocab_memory: Literal["table", "recompute"] = "table"
 
     def problems(self) -> list[str]:
         problems = super().problems() + self.norm_problems()
@@ -83,6 +88,9 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
         if self.divergence not in DIVERGENCES:
             problems.append(f"divergence={self.divergence!r} is not a loss EAGLE-3 trains with: use one of "
                             f"{', '.join(DIVERGENCES)}")
+        if self.vocab_memory not in ("table", "recompute"):
+            problems.append(f"vocab_memory={self.vocab_memory!r}: use table (keep the label table, fastest) or "
+                            "recompute (memory flat in the draft vocabulary)")
         if self.eval_ttt_steps is not None and self.eval_ttt_steps < 1:
             problems.append(f"eval_ttt_steps={self.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
         return problems
@@ -131,7 +139,8 @@ def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftV
     drafter = build_eagle3_drafter(recipe, target, vocab)
     say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
-    return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight, recipe.divergence)
+    return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight, recipe.divergence,
+                           recompute=recipe.vocab_memory == "recompute")
 
 
 def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
@@ -162,7 +171,7 @@ class TTTOutput:
 
 def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
              step_weight: float = 0.8, tv_weight: float = 0.0, divergence: str = "kl",
-             normalize: str = "positions", return_logits: bool = False) -> TTTOutput:
+             normalize: str = "positions", return_logits: bool = False, recompute: bool = False) -> TTTOutput:
     """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K steps, each scored by the soft
     cross-entropy (or another `divergence`) against the target's distribution renormalised over the draft
     vocabulary, weighted step_weight^i (each position's loss + tv_weight x total variation, drafters.losses).
@@ -170,14 +179,16 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
     logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
     is learnt. normalize: "positions" = each step's loss sums over counted positions / (B*T), the
     official trainer's and SpecForge's "averaged over all positions"; "counted" = mean over them.
-    return_logits keeps each step's draft logits in the output (tests; costs memory)."""
+    return_logits keeps each step's draft logits in the output (tests; costs memory). recompute: nothing kept that
+    grows with the draft vocabulary (the recipe's vocab_memory=recompute): the labels are a
+    drafters.losses.RecomputedLabels and the fused head computes its gradients in backward."""
     if normalize not in ("positions", "counted"):
         raise ValueError(f"normalize={normalize!r}: use 'positions' or 'counted'")
     batch, seq_len = input_ids.shape
     # Only supervised positions are scored: norm + lm_head + soft CE run on their rows alone (prompt and
     # padding rows are skipped). Every step's label row r = t+1+i is supervised iff loss_mask[r+1] = 1,
     # the same rows at all steps, so the target side is computed once there.
-    rows, targets = supervised_targets(drafter, target_logits, loss_mask)
+    rows, targets = supervised_targets(drafter, target_logits, loss_mask, recompute=recompute)
     num_positions = batch * seq_len if normalize == "positions" else None
     metrics, step_logits = [], []
     for step, hidden in drafter.ttt_unroll(features, input_ids, embed, steps):
@@ -200,7 +211,8 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
             # the step's label rows are read from the whole table a chunk at a time (no (M, Vd) copy per step);
             # a module call: sharding engines (ZeRO-3, FSDP) gather the head's weight around it
             metrics.append(drafter.lm_head(normed, targets[0], argmax_draft, num_positions=num_positions,
-                                           tv_weight=tv_weight, divergence=divergence, target_rows=counted_rows))
+                                           tv_weight=tv_weight, divergence=divergence, target_rows=counted_rows,
+                                           recompute=recompute))
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
     weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
@@ -212,15 +224,15 @@ class Eagle3Objective(nn.Module):
     `drafter` on one batch. The target stays outside; its features and embedding are arguments."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float, tv_weight: float = 0.0,
-                 divergence: str = "kl"):
+                 divergence: str = "kl", *, recompute: bool = False):
         super().__init__()
         self.drafter, self.steps, self.step_weight, self.tv_weight = drafter, steps, step_weight, tv_weight
-        self.divergence = divergence
+        self.divergence, self.recompute = divergence, recompute
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
         return ttt_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed,
                         steps=self.steps, step_weight=self.step_weight, tv_weight=self.tv_weight,
-                        divergence=self.divergence)
+                        divergence=self.divergence, recompute=self.recompute)
 
 
 def target_inputs_fn(recipe: FeatureRecipe, target: Target, drafter):

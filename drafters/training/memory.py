@@ -7,14 +7,18 @@ The terms (bytes), B = batch_size, T = data.max_length, k = ttt_steps, Vd = the 
 hidden size, P = its trainable parameters:
 
     labels       B T Vd 4             the target's distribution over the draft vocabulary at every supervised row,
-                                      float32, held for the whole step (block families: their label rows only)
+                                      float32, held for the whole step (block families: their label rows only);
+                 B T h_t 4            with EAGLE-3's vocab_memory=recompute: the target's final hidden state at
+                                      those rows, the labels recomputed from it when read
     head grads   k Vd h 4             each TTT step's LM-head gradient, kept by the fused loss until backward
+                 Vd h 4               vocab_memory=recompute: one at a time, computed in backward
     optimizer    P 12                 float32 gradients and two optimizer states (AdamW; Muon keeps one on matrices)
     activations  k B T h ACT_BYTES    what each TTT step keeps for backward (block families: the blocks' slots)
     logits       4 R Vd 4             a loss without a fused head (DSpark's Markov bias): R rows of logits, their
                                       log-softmax, softmax and gradient in float32
     transients   16 c Vd + 8 E        the fused loss's chunk (c rows: logits, log q, q, dz in float32) and a label
                                       chunk (E = drafters.losses.LABEL_CHUNK_ELEMENTS logits and their softmax)
+                 + 12 c V             vocab_memory=recompute: the chunk's labels, recomputed over the target's V
     target       B T h_t (L+1) bytes  online features: every hidden state of the frozen target's forward
 
 ACT_BYTES was fit on eval/memory_bench.py's grid (report/memory/index.md: a random Llama of width 256, bf16
@@ -43,13 +47,18 @@ class StepShape:
     head_grad_steps: int  # passes that keep an LM-head gradient of their own (0: the head is frozen)
     knobs: tuple[str, ...]  # the recipe fields to lower, with their values
     logit_rows: int = 0  # rows whose (rows, Vd) logits the loss materialises (no fused head: DSpark's Markov bias)
+    recomputed_labels: bool = False  # the labels are recomputed from the target's (rows, h_t) final hidden state
+    switches: tuple[str, ...] = ()  # recipe settings that lower the step's memory, other than the knobs
 
 
 def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every row
-    tokens = recipe.batch_size * recipe.data.max_length
-    return StepShape(recipe.ttt_steps, tokens, tokens, recipe.ttt_steps, (
-        f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
-        f"ttt_steps ({recipe.ttt_steps})"))
+    tokens, recompute = recipe.batch_size * recipe.data.max_length, recipe.vocab_memory == "recompute"
+    knobs = (f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
+             f"ttt_steps ({recipe.ttt_steps})")
+    return StepShape(recipe.ttt_steps, tokens, tokens, 1 if recompute else recipe.ttt_steps, knobs,
+                     recomputed_labels=recompute, switches=() if recompute else (
+                         "vocab_memory=recompute (labels and head gradients recomputed in backward: flat in the "
+                         "draft vocabulary, slower)",))
 
 
 def block_shape(recipe, drafter) -> StepShape:  # DFlash, DSpark: the anchors' blocks, through every layer
@@ -64,6 +73,7 @@ def block_shape(recipe, drafter) -> StepShape:  # DFlash, DSpark: the anchors' b
 class StepEstimate:
     parts: dict[str, float]  # name -> bytes
     knobs: tuple[str, ...] = ()
+    switches: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
@@ -81,19 +91,21 @@ def estimate_step(shape: StepShape, recipe, target, drafter, *, online: bool) ->
     """The memory one optimizer step adds, from the family's StepShape and the built drafter."""
     vocab, hidden = drafter.config.draft_vocab_size, drafter.config.hidden_size
     params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    label_width = target.config.get_text_config().hidden_size if shape.recomputed_labels else vocab
     parts = {
-        "labels": shape.label_rows * vocab * 4,
+        "labels": shape.label_rows * label_width * 4,
         "head grads": shape.head_grad_steps * vocab * hidden * 4,
         "optimizer": params * 12,
         "activations": shape.steps * shape.act_tokens * hidden * ACT_BYTES,
-        "transients": 16 * LOSS_CHUNK_ROWS * vocab + 8 * LABEL_CHUNK_ELEMENTS,
+        "transients": 16 * LOSS_CHUNK_ROWS * vocab + 8 * LABEL_CHUNK_ELEMENTS
+        + (12 * LOSS_CHUNK_ROWS * target.vocab_size if shape.recomputed_labels else 0),
         "logits": shape.logit_rows * vocab * 4 * 4,  # float32 logits, log-softmax, softmax and their gradient
     }
     if online:
         t = target.config.get_text_config()
         tokens = recipe.batch_size * recipe.data.max_length
         parts["target"] = tokens * t.hidden_size * (t.num_hidden_layers + 1) * target.dtype.itemsize
-    return StepEstimate(parts, (*shape.knobs, f"draft_vocab_size ({vocab})"))
+    return StepEstimate(parts, (*shape.knobs, f"draft_vocab_size ({vocab})"), shape.switches)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -126,5 +138,6 @@ def check_step_memory(family, recipe, target, drafter, device: torch.device, say
         say(f"memory: one step needs about {size(estimate.total)} ({estimate.describe()}); {size(free)} free")
         return
     raise RecipeError(f"recipe: one training step needs about {size(estimate.total)} ({estimate.describe()}), "
-                      f"more than the {size(free)} free on {device}: lower {', '.join(estimate.knobs)}, or set "
+                      f"more than the {size(free)} free on {device}: lower {', '.join(estimate.knobs)}, "
+                      + "".join(f"set {switch}, " for switch in estimate.switches) + "or set "
                       "check_memory=false to try anyway (the estimate: drafters/training/memory.py)")
