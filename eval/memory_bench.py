@@ -48,6 +48,10 @@ def family_overrides(family: str, ttt: int, vocab_memory: str = "table") -> tupl
     return ()
 
 
+def spec_overrides(spec: dict) -> tuple[str, ...]:
+    return family_overrides(spec["family"], spec["ttt"], spec.get("vocab_memory", "table"))
+
+
 def narrow_target(spec: dict, device):
     import torch
 
@@ -67,8 +71,7 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     target = narrow_target(spec, torch.device("cpu"))
-    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"], spec["vocab_memory"]),
-                          draft_vocab=spec["vocab"])
+    setting = StepSetting(spec["family"], spec["seq"], spec_overrides(spec), draft_vocab=spec["vocab"])
     before = rss_gb()
     result = measure_step(setting, target, steps=1, warmup=0, count=False)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
@@ -89,8 +92,7 @@ def estimate_only(spec: dict) -> dict:
     if shape is None:
         return {"status": "not estimated"}
     target = narrow_target(spec, torch.device("cpu"))  # random weights, built in a second
-    setting = StepSetting(spec["family"], spec["seq"], family_overrides(spec["family"], spec["ttt"], spec["vocab_memory"]),
-                          draft_vocab=spec["vocab"])
+    setting = StepSetting(spec["family"], spec["seq"], spec_overrides(spec), draft_vocab=spec["vocab"])
     objective, _, _ = build_step(setting, target)
     recipe = recipe_for(setting, target.vocab_size)
     estimate = estimate_step(shape(recipe, objective.drafter), recipe, target, objective.drafter, online=True)
@@ -131,8 +133,9 @@ def table(rows: list[dict]) -> str:
         ok = r["status"] == "ok"
         number = (lambda key, f: format(r[key], f) if ok and r.get(key) is not None else "-")
         eagle3 = r["family"] == "eagle3"
-        lines.append(f"| {r['family']} | {r['seq']} | {r['vocab']} | {r['ttt'] if eagle3 else '-'} "
-                     f"| {r.get('vocab_memory', 'table') if eagle3 else '-'} | {r['status']} | {number('tokens_per_s', '.0f')} | {number('rss_before_gb', '.2f')} | "
+        mode = r.get("vocab_memory", "table") if eagle3 else "-"
+        lines.append(f"| {r['family']} | {r['seq']} | {r['vocab']} | {r['ttt'] if eagle3 else '-'} | {mode} "
+                     f"| {r['status']} | {number('tokens_per_s', '.0f')} | {number('rss_before_gb', '.2f')} | "
                      f"{number('peak_gb', '.2f')} | {number('step_gb', '.2f')} | {number('estimate_gb', '.2f')} | "
                      f"{dense_gb(r)} |")
     return "\n".join(lines)
