@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from drafters.losses import in_row_chunks
+
 TOPK_METRIC = 5  # the "top-5" of the per-head metrics
 
 
@@ -47,9 +49,10 @@ class HeadRows:
         batch, position = masks.any(0).nonzero(as_tuple=True)  # (M,), (M,)
         return HeadRows(batch, position, masks[:, batch, position])
 
-    def shifted(self, x: Tensor, shift: int) -> Tensor:
-        # x (B, T, ...) -> (M, ...) = x[b, t + shift]; clamped past the end (those rows are masked)
-        return x[self.batch, (self.position + shift).clamp(max=x.shape[1] - 1)]
+    def shifted(self, x: Tensor, shift: int, part: slice = slice(None)) -> Tensor:
+        # x (B, T, ...) -> (M, ...) = x[b, t + shift] (rows `part` of them: (c, ...)); clamped past the end (those
+        # rows are masked)
+        return x[self.batch[part], (self.position[part] + shift).clamp(max=x.shape[1] - 1)]
 
 
 @dataclass
@@ -71,7 +74,8 @@ def heads_loss(drafter, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, lm
                                distribution for token t+k+2, its argmax for the accuracies)
         CE_k = mean over the rows of head k of -sum_v label_v log softmax(project(state_k))_v
         loss = sum_k w_k CE_k
-    Only rows that train some head are projected onto the vocabulary (the LM head dominates)."""
+    Only rows that train some head are projected onto the vocabulary (the LM head dominates), a chunk of rows at a
+    time (drafters.losses.in_row_chunks): the step never holds an (M, V) tensor per head."""
     num_heads = drafter.config.num_heads
     rows = HeadRows.of(loss_mask, num_heads)
     selected = sorted(weights)
@@ -80,21 +84,25 @@ def heads_loss(drafter, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, lm
     head_losses, correct, correct_top5, counts = zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone()
     loss = hidden.new_zeros((), dtype=torch.float32)
     for i, k in enumerate(selected):
-        logits = drafter.project(states[:, i], k, lm_head)  # (M, V)
-        teacher = None if teacher_logits is None else rows.shifted(teacher_logits, k + 1)  # (M, V)
-        labels = rows.shifted(input_ids, k + 2) if teacher is None else teacher.argmax(-1)  # (M,)
-        ce = cross_entropy(logits, labels, teacher)  # (M,)
-        mask = rows.mask[k]
-        count = mask.sum()
-        head_loss = torch.where(mask, ce, 0.0).sum() / count.clamp(min=1)
+
+        def head_rows(part: slice, i=i, k=k) -> tuple[Tensor, Tensor, Tensor]:
+            # rows `part` (c of them) of head k -> (CE summed over its counted rows, top-1 hits, top-5 hits)
+            logits = drafter.project(states[part, i], k, lm_head)  # (c, V)
+            teacher = None if teacher_logits is None else rows.shifted(teacher_logits, k + 1, part)  # (c, V)
+            labels = rows.shifted(input_ids, k + 2, part) if teacher is None else teacher.argmax(-1)  # (c,)
+            mask = rows.mask[k, part]
+            ce_sum = torch.where(mask, cross_entropy(logits, labels, teacher), 0.0).sum()
+            with torch.no_grad():
+                hits = logits.topk(min(TOPK_METRIC, logits.shape[-1]), dim=-1).indices == labels[:, None]  # (c, 5)
+                return ce_sum, (hits[:, 0] & mask).sum(), (hits.any(-1) & mask).sum()
+
+        # (M, V) logits a chunk of rows at a time, recomputed in backward (drafters.losses.in_row_chunks); every
+        # head projects onto the target's V = lm_head.shape[0], its own weight or the target's
+        ce_sum, correct[k], correct_top5[k] = in_row_chunks(head_rows, len(rows.batch), lm_head.shape[0])
+        count = rows.mask[k].sum()
+        head_loss = ce_sum / count.clamp(min=1)
         loss = loss + weights[k] * head_loss
-        with torch.no_grad():
-            head_losses[k] = head_loss
-            top = logits.topk(min(TOPK_METRIC, logits.shape[-1]), dim=-1).indices  # (M, 5)
-            hits = top == labels[:, None]  # (M, 5)
-            correct[k] = (hits[:, 0] & mask).sum()
-            correct_top5[k] = (hits.any(-1) & mask).sum()
-            counts[k] = count
+        head_losses[k], counts[k] = head_loss.detach(), count
     return HeadsOutput(loss, head_losses, correct, correct_top5, counts)
 
 
@@ -118,8 +126,13 @@ def rank_hits(drafter, hidden: Tensor, target_logits: Tensor, loss_mask: Tensor,
     states = drafter.states(hidden[rows.batch, rows.position], list(range(num_heads)))  # (M, K, d)
     hits = torch.zeros(num_heads, topk, device=hidden.device)
     for k in range(num_heads):
-        logits = drafter.project(states[:, k], k, lm_head)  # (M, V)
-        truth = rows.shifted(target_logits, k + 1).argmax(-1)  # (M,)
-        ranked = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # (M, r)
-        hits[k, : ranked.shape[1]] = ((ranked == truth[:, None]) & rows.mask[k, :, None]).sum(0).float()
+
+        def head_rows(part: slice, k=k) -> tuple[Tensor]:
+            logits = drafter.project(states[part, k], k, lm_head)  # (c, V)
+            truth = rows.shifted(target_logits, k + 1, part).argmax(-1)  # (c,)
+            ranked = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # (c, r)
+            found = ((ranked == truth[:, None]) & rows.mask[k, part, None]).sum(0).float()  # (r,)
+            return (torch.nn.functional.pad(found, (0, topk - len(found))),)
+
+        hits[k] = in_row_chunks(head_rows, len(rows.batch), lm_head.shape[0])[0]
     return hits, rows.mask.sum(1).float()

@@ -7,6 +7,7 @@ Metrics stay tensors (no host sync); call `.item()` at log steps only.
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from drafters.draft_vocab import draft_rank, kept_target_ids
 
@@ -51,6 +52,27 @@ def label_chunks(target_logits, mask: Tensor, rows: int | None = None):
         rows = rows or LABEL_CHUNK_ROWS or max(1, LABEL_CHUNK_ELEMENTS // target_logits.shape[-1])
         for start in range(0, max(len(selected), 1), rows):
             yield selected[start:start + rows]
+
+
+def in_row_chunks(fn, num_rows: int, width: int, rows: int | None = None) -> tuple[Tensor, ...]:
+    """sum over consecutive row chunks `part` of fn(part) -> a tuple of 0-dim tensors (a loss sum, counts), for a
+    loss that projects rows onto a (c, width) vocabulary (Medusa's and Blockwise's heads, EAGLE-1's frozen head:
+    no fused head of their own). The chunks hold LABEL_CHUNK_ELEMENTS logits whatever the width (rows: a fixed
+    count instead); under autograd each runs under activation checkpointing, so its (c, width) logits,
+    log-probabilities and labels are recomputed in backward, not kept: what the loss holds for backward is the
+    (M, d) rows, never (M, width). One chunk (or no grad): fn(all rows) as it is, nothing recomputed."""
+    rows = rows or LOGIT_CHUNK_ROWS or max(1, LABEL_CHUNK_ELEMENTS // width)
+    if num_rows <= rows:
+        return fn(slice(0, num_rows))
+    total = None
+    for start in range(0, num_rows, rows):
+        part = slice(start, start + rows)
+        out = checkpoint(fn, part, use_reentrant=False) if torch.is_grad_enabled() else fn(part)
+        total = out if total is None else tuple(a + b for a, b in zip(total, out))
+    return total
+
+
+LOGIT_CHUNK_ROWS: int | None = None  # in_row_chunks' rows per chunk (tests); None: LABEL_CHUNK_ELEMENTS // width
 
 
 @torch.no_grad()
@@ -370,8 +392,8 @@ def table_rows(needed: Tensor, in_vocab: Tensor) -> Tensor:
 
 def supervised_targets(drafter, target_logits, loss_mask: Tensor, *, recompute: bool = False
                        ) -> tuple[Tensor, tuple[Tensor | RecomputedLabels, Tensor]]:
-    """The target side of the EAGLE-3 / P-EAGLE loss, at the rows some TTT step (or P-EAGLE slot) scores: row r (label of step i at
-    t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
+    """The target side of the EAGLE-3 / P-EAGLE loss, at the rows some TTT step (or P-EAGLE slot) scores: row r
+    (label of step i at t = r-1-i) is scored iff loss_mask[r+1] = 1 and its full-vocab target argmax is in the draft
     vocab (`draft_vocab_targets`). target_logits (B, T, V), loss_mask (B, T) ->
         rows (B, T) long: index of row r into the two tensors below, -1 where never scored
         target_p (N, Vd) float32, argmax_draft (N,) long: `draft_vocab_targets` at the needed rows (those whose

@@ -307,6 +307,60 @@ def test_eagle1_scores_label_rows_as_the_whole_logits():
     assert results[1][4][1::2] == counts and max(results[1][4]) < B * T
 
 
+@pytest.mark.parametrize("family", ["medusa", "blockwise", "eagle1"])
+def test_projections_onto_the_vocabulary_in_row_chunks_equal_one_pass(family, monkeypatch):
+    # Medusa's and Blockwise's heads and EAGLE-1's frozen head project their M rows onto V a chunk of rows at a
+    # time, recomputed in backward (in_row_chunks): loss, accuracies and gradients equal one pass over all M rows,
+    # and no head call sees more than a chunk's rows (the label head is called again in backward: recomputed)
+    import drafters.losses as losses
+    from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
+    from drafters.eagle1 import Eagle1Config, Eagle1Drafter
+    from drafters.heads import heads_loss
+    from drafters.medusa import MedusaConfig, MedusaHeads
+    from drafters.training.eagle1 import chain_loss
+    from transformers import LlamaConfig
+
+    B, T, D, V, K = 2, 13, 16, 45, 3
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(0)
+    head = CountingHead(torch.randn(V, D, generator=gen))
+    hidden, ids = torch.randn(B, T, D, generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    loss_mask = (torch.rand(B, T, generator=gen) > 0.2).long()
+    if family == "eagle1":
+        config = Eagle1Config.from_target_config(LlamaConfig(hidden_size=D, intermediate_size=32, num_attention_heads=2,
+                                                             num_key_value_heads=1, head_dim=8, vocab_size=V))
+        drafter, embed = Eagle1Drafter(config).attach_head(head), torch.nn.Embedding(V, D)
+
+        def run():
+            out = chain_loss(drafter, hidden, ids, LabelLogits(hidden, head), loss_mask, embed, steps=2)
+            return out.loss, out.step_accuracies
+    else:
+        drafter = (MedusaHeads(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=1))
+                   if family == "medusa" else BlockwiseHeads(BlockwiseConfig(hidden_size=D, vocab_size=V, num_heads=K)))
+        lm_head, weights = torch.randn(V, D, generator=gen), {k: 0.8 ** k for k in range(K)}
+
+        def run():
+            out = heads_loss(drafter, hidden, ids, loss_mask, lm_head, weights=weights,
+                             teacher_logits=LabelLogits(hidden, head))
+            return out.loss, torch.stack([out.correct, out.correct_top5])
+    results = []
+    for rows in (None, 4):
+        monkeypatch.setattr(losses, "LOGIT_CHUNK_ROWS", rows)
+        monkeypatch.setattr(losses, "LABEL_CHUNK_ELEMENTS", 10**9)  # None: every row in one chunk
+        drafter.zero_grad()
+        head.rows.clear()
+        loss, metrics = run()
+        forward_calls = len(head.rows)
+        loss.backward()
+        results.append((loss.detach(), metrics, gradients(drafter), head.rows[:], forward_calls))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[1][1], results[0][1]) and results[0][0] > 0
+    for whole, chunked in zip(results[0][2], results[1][2], strict=True):
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-7)
+    assert max(results[0][3]) > 4 and max(results[1][3]) <= 4  # one pass saw more rows than a chunk
+    assert len(results[1][3]) > results[1][4]  # backward called the head again: the chunks were recomputed
+
+
 # ---- vocab_memory=recompute: the same loss with nothing kept that grows with the draft vocabulary ---------------
 
 

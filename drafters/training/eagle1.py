@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from drafters.acceptance import chain_tau
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
 from drafters.eagle3 import shift_left, ttt_label_mask
-from drafters.losses import LabelLogits, soft_cross_entropy
+from drafters.losses import LabelLogits, in_row_chunks, soft_cross_entropy
 from drafters.training.schema import FeatureRecipe
 
 
@@ -101,6 +101,30 @@ def feature_loss(predicted: Tensor, target: Tensor) -> Tensor:
     return per_position.sum() / max(per_position.numel(), 1)
 
 
+def chunked_token_loss(drafter: Eagle1Drafter, predicted: Tensor, target_logits, rows: Tensor
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """The soft cross-entropy of the drafter's (M, V) logits (its frozen head on predicted (M, h)) against the
+    target's rows where `rows` (B, T) bool, in the order of its True rows, as `soft_cross_entropy` with every row
+    counted -> (mean loss, accuracy, M). The (M, V) logits, labels and softmax exist a chunk of rows at a time,
+    recomputed in backward (drafters.losses.in_row_chunks)."""
+    batch_index, position = rows.nonzero(as_tuple=True)  # (M,), (M,)
+    total = len(batch_index)
+
+    def token_rows(part: slice) -> tuple[Tensor, Tensor]:
+        target = target_logits[batch_index[part], position[part]]  # (c, V)
+        with torch.no_grad():
+            target_p = torch.softmax(target.float(), dim=-1)
+        everywhere = torch.ones(len(target), dtype=torch.bool, device=target.device)  # (c,)
+        logits = drafter.compute_logits(predicted[part])  # (c, V)
+        loss = soft_cross_entropy(logits, target_p, everywhere, target.argmax(-1), everywhere,
+                                  num_positions=max(total, 1))[0]  # the chunk's share of the mean
+        return loss, (logits.detach().argmax(-1) == target.argmax(-1)).sum()
+
+    loss, correct = in_row_chunks(token_rows, total, drafter.config.vocab_size)
+    count = torch.tensor(total, device=predicted.device)
+    return loss, correct / count.clamp(min=1), count
+
+
 def chain_loss(drafter: Eagle1Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 1,
                feature_weight: float = 1.0, token_weight: float = 0.1, noise: Tensor | None = None,
                return_logits: bool = False) -> Eagle1Output:
@@ -120,18 +144,17 @@ def chain_loss(drafter: Eagle1Drafter, features, input_ids, target_logits, loss_
         # computes them alone, never the (B, T, V) logits
         rows = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
         rows[:, 1 + step:1 + step + num_rows] = counted
-        target_rows = target_logits[rows]
         if return_logits:
             logits = drafter.compute_logits(hidden[:, :num_rows])  # (B, T-1-i, V)
             step_logits.append(logits)
-            counted_logits = logits[counted]
-        else:
-            counted_logits = drafter.compute_logits(predicted)  # (M, V): only counted rows hit the head
-        with torch.no_grad():
-            target_p = torch.softmax(target_rows.float(), dim=-1)  # (M, V)
-        everywhere = torch.ones(target_p.shape[0], dtype=torch.bool, device=target_p.device)  # (M,)
-        token_loss, accuracy, count = soft_cross_entropy(
-            counted_logits, target_p, everywhere, target_rows.argmax(-1), everywhere)
+            target_rows = target_logits[rows]
+            with torch.no_grad():
+                target_p = torch.softmax(target_rows.float(), dim=-1)  # (M, V)
+            everywhere = torch.ones(target_p.shape[0], dtype=torch.bool, device=target_p.device)  # (M,)
+            token_loss, accuracy, count = soft_cross_entropy(
+                logits[counted], target_p, everywhere, target_rows.argmax(-1), everywhere)
+        else:  # only counted rows hit the head, a chunk of them at a time (drafters.losses.in_row_chunks)
+            token_loss, accuracy, count = chunked_token_loss(drafter, predicted, target_logits, rows)
         metrics.append((feature_loss(predicted, target_feature), token_loss, accuracy, count))
     while len(metrics) < steps:  # rows too short for the later steps: nothing counted
         zero = features.new_zeros((), dtype=torch.float32)
