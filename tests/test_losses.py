@@ -312,13 +312,14 @@ def test_projections_onto_the_vocabulary_in_row_chunks_equal_one_pass(family, mo
     # Medusa's and Blockwise's heads and EAGLE-1's frozen head project their M rows onto V a chunk of rows at a
     # time, recomputed in backward (in_row_chunks): loss, accuracies and gradients equal one pass over all M rows,
     # and no head call sees more than a chunk's rows (the label head is called again in backward: recomputed)
+    from transformers import LlamaConfig
+
     import drafters.losses as losses
     from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
     from drafters.eagle1 import Eagle1Config, Eagle1Drafter
     from drafters.heads import heads_loss
     from drafters.medusa import MedusaConfig, MedusaHeads
     from drafters.training.eagle1 import chain_loss
-    from transformers import LlamaConfig
 
     B, T, D, V, K = 2, 13, 16, 45, 3
     gen = torch.Generator().manual_seed(6)
