@@ -346,11 +346,13 @@ class RecomputedLabels:
     (forward and backward): the label head's matmul is paid 2k times instead of once, for memory flat in Vd."""
 
     def __init__(self, hidden: Tensor, head, t2d: Tensor, draft_vocab_size: int):
-        self.hidden, self.head, self.t2d, self.draft_vocab_size = hidden, head, t2d, draft_vocab_size
+        self.hidden, self.head = hidden, head
+        self.used = kept_target_ids(t2d, draft_vocab_size)  # (Vd,) the target ids of the draft vocabulary
 
     @torch.no_grad()
     def __getitem__(self, rows: Tensor) -> Tensor:
-        return draft_vocab_targets(self.head(self.hidden[rows]), self.t2d, self.draft_vocab_size)[0]
+        # draft_vocab_targets' target_p alone: softmax over the draft vocabulary's columns of the target's logits
+        return torch.softmax(self.head(self.hidden[rows]).index_select(-1, self.used).float(), dim=-1)
 
     def __len__(self) -> int:
         return len(self.hidden)
