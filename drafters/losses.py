@@ -295,17 +295,29 @@ def fused_chunks(ctx, x: Tensor, weight: Tensor, target_p, target_rows: Tensor |
     return grad_x, grad_w
 
 
+LOSS_CHUNK_ELEMENTS = 2**23  # (c, Vd) float32 logits of one fused-loss chunk: 32 MB, whatever Vd
+LOSS_CHUNK_MAX_ROWS = 256  # and no more rows than this (the chunk's matmuls are large enough by then)
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """Rows of one fused-loss chunk over a Vd-wide head: LOSS_CHUNK_ELEMENTS logits (each of the chunk's
+    (c, Vd) float32 transients is 32 MB: logits, log q, q, dL/dz, labels), at most LOSS_CHUNK_MAX_ROWS; 256 rows at
+    Vd = 32k, 65 at 128k, 32 at 256k."""
+    return max(1, min(LOSS_CHUNK_MAX_ROWS, LOSS_CHUNK_ELEMENTS // max(vocab, 1)))
+
+
 def linear_soft_cross_entropy(x: Tensor, weight: Tensor, target_p: Tensor, argmax_draft: Tensor, *,
-                              num_positions: int | None = None, chunk: int = 256, tv_weight: float = 0.0,
+                              num_positions: int | None = None, chunk: int | None = None, tv_weight: float = 0.0,
                               divergence: str = "kl", target_rows: Tensor | None = None, recompute: bool = False
                               ) -> tuple[Tensor, Tensor, Tensor]:
     """`soft_cross_entropy(x @ weight.T, target_p, ...)` over rows that all count, without the logits tensor.
     x (M, h) the normed hidden states, weight (Vd, h) the drafter's LM head, target_p (M, Vd), argmax_draft
     (M,); or target_p (N, Vd) the whole label table (or a RecomputedLabels) and target_rows (M,) the rows of it
     that x's rows are scored against (read a chunk at a time). recompute: the gradients in backward
-    (LinearSoftCrossEntropy). -> (loss, accuracy, count) as `soft_cross_entropy` returns them
-    (loss = sum / num_positions, default the mean over the M rows)."""
+    (LinearSoftCrossEntropy). chunk: rows per chunk, default `loss_chunk_rows(Vd)`. -> (loss, accuracy, count) as
+    `soft_cross_entropy` returns them (loss = sum / num_positions, default the mean over the M rows)."""
     count = torch.tensor(len(x), device=x.device)
+    chunk = chunk or loss_chunk_rows(weight.shape[0])
     scale = 1.0 / (num_positions if num_positions is not None else max(len(x), 1))
     if torch.is_autocast_enabled(x.device.type):  # the matmul dtype an autocast nn.Linear would use
         x = x.to(torch.get_autocast_dtype(x.device.type))

@@ -442,3 +442,14 @@ def test_ttt_loss_with_recomputed_labels_equals_the_label_table(divergence):
     assert torch.equal(runs[1][1], runs[0][1])
     for recomputed, kept in zip(runs[1][2], runs[0][2], strict=True):
         torch.testing.assert_close(recomputed, kept, rtol=1e-5, atol=1e-7)
+
+
+def test_a_fused_loss_chunk_holds_the_same_number_of_logits_whatever_the_vocabulary():
+    # the fused head's (c, Vd) float32 transients are LOSS_CHUNK_ELEMENTS large at any Vd past 32k (fewer rows per
+    # chunk as Vd grows), so they do not grow with the vocabulary; a narrow head keeps LOSS_CHUNK_MAX_ROWS rows
+    from drafters.losses import LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_MAX_ROWS, loss_chunk_rows
+
+    assert [loss_chunk_rows(v) for v in (1000, 32000, 128000, 256000)] == [LOSS_CHUNK_MAX_ROWS, 256, 65, 32]
+    for vocab in (32768, 131072, 262144):
+        assert loss_chunk_rows(vocab) * vocab <= LOSS_CHUNK_ELEMENTS
+    assert loss_chunk_rows(10**7) == 1  # never zero rows

@@ -16,7 +16,8 @@ hidden size, P = its trainable parameters:
     activations  k B T h ACT_BYTES    what each TTT step keeps for backward (block families: the blocks' slots)
     logits       4 R Vd 4             a loss without a fused head (DSpark's Markov bias): R rows of logits, their
                                       log-softmax, softmax and gradient in float32
-    transients   16 c Vd + 8 E        the fused loss's chunk (c rows: logits, log q, q, dz in float32) and a label
+    transients   16 c Vd + 8 E        the fused loss's chunk (c = drafters.losses.loss_chunk_rows(Vd) rows: logits,
+                                      log q, q, dz in float32, 2^23 elements each whatever Vd) and a label
                                       chunk (E = drafters.losses.LABEL_CHUNK_ELEMENTS logits and their softmax)
                  + 12 c V             vocab_memory=recompute: the chunk's labels, recomputed over the target's V
     target       B T h_t (L+1) bytes  online features: every hidden state of the frozen target's forward
@@ -30,11 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.losses import LABEL_CHUNK_ELEMENTS
+from drafters.losses import LABEL_CHUNK_ELEMENTS, loss_chunk_rows
 from drafters.training.recipe import RecipeError
 
 ACT_BYTES = 128  # per token, TTT step and unit of hidden size kept for backward (fit: 70-111, bf16 autocast)
-LOSS_CHUNK_ROWS = 256  # drafters.losses.linear_soft_cross_entropy's default chunk
 
 
 @dataclass
@@ -97,8 +97,8 @@ def estimate_step(shape: StepShape, recipe, target, drafter, *, online: bool) ->
         "head grads": shape.head_grad_steps * vocab * hidden * 4,
         "optimizer": params * 12,
         "activations": shape.steps * shape.act_tokens * hidden * ACT_BYTES,
-        "transients": 16 * LOSS_CHUNK_ROWS * vocab + 8 * LABEL_CHUNK_ELEMENTS
-        + (12 * LOSS_CHUNK_ROWS * target.vocab_size if shape.recomputed_labels else 0),
+        "transients": 16 * loss_chunk_rows(vocab) * vocab + 8 * LABEL_CHUNK_ELEMENTS
+        + (12 * loss_chunk_rows(vocab) * target.vocab_size if shape.recomputed_labels else 0),
         "logits": shape.logit_rows * vocab * 4 * 4,  # float32 logits, log-softmax, softmax and their gradient
     }
     if online:
