@@ -1,6 +1,7 @@
 """Will one training step fit? An estimate of the memory a training step adds, from the recipe, the built drafter
-and its family's StepShape (TrainingFamily.memory_shape: EAGLE-3's TTT, DFlash's and DSpark's blocks), checked against what the device has free before the first step (fit calls it), so a length
-or vocabulary that cannot fit is refused in one sentence with the estimate and what to lower, not killed by the
+and its family's StepShape (TrainingFamily.memory_shape: EAGLE-3's TTT, DFlash's and DSpark's blocks), checked
+against what the device has free before the first step (fit calls it), so a length or vocabulary that cannot fit
+is refused in one sentence with the estimate and what to lower, not killed by the
 kernel's out-of-memory killer halfway into a run.
 
 The terms (bytes), B = batch_size, T = data.max_length, k = ttt_steps, Vd = the draft vocabulary, h = the drafter's
