@@ -11,6 +11,7 @@ bench = load_script("eval/memory_bench.py")
 @pytest.mark.parametrize("argv, message", [
     (["--families", "medusa"], "--families: ['medusa'] are not families this bench steps"),
     (["--seq", "2k"], "--seq, --vocab and --ttt take comma-separated integers"),
+    (["--vocab-memory", "table,lazy"], "--vocab-memory table,lazy: use table, recompute or both"),
 ])
 def test_bad_axes_are_refused(argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
