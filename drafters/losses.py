@@ -242,7 +242,10 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
         else:
             grad_x, grad_w = ctx.saved_tensors
         train_w, weight_dtype = ctx.setup[4:]
-        grad_w = (grad_w * grad_loss).to(weight_dtype) if train_w else None
+        if train_w:  # a recomputed dL/dW is this call's own: scaled in place, no second (Vd, h) float32 copy
+            grad_w = (grad_w.mul_(grad_loss) if ctx.recompute else grad_w * grad_loss).to(weight_dtype)
+        else:
+            grad_w = None
         return grad_x * grad_loss.to(grad_x.dtype), grad_w, None, None, None, None, None, None, None
 
 
