@@ -82,10 +82,15 @@ def draft_vocab_targets(target_logits: Tensor, t2d: Tensor, draft_vocab_size: in
         target_p (B, T, Vd) float32 = softmax(target_logits[..., used])  renormalised over the vocab
         in_vocab (B, T) bool        = t2d[argmax_V target_logits]        FULL-vocab argmax is kept
         argmax_draft (B, T) long    = draft id of that argmax (meaningful where in_vocab)"""
-    used = kept_target_ids(t2d, draft_vocab_size)
     target_argmax = target_logits.argmax(-1)  # (B, T) over the full target vocab
-    target_p = torch.softmax(target_logits.index_select(-1, used).float(), dim=-1)
+    target_p = draft_vocab_softmax(target_logits, kept_target_ids(t2d, draft_vocab_size))
     return target_p, t2d[target_argmax], draft_rank(t2d)[target_argmax]
+
+
+def draft_vocab_softmax(target_logits: Tensor, used: Tensor) -> Tensor:
+    """target_p: the softmax of the target's logits (..., V) over the draft vocabulary's columns `used` (Vd,)
+    (kept_target_ids), renormalised there -> (..., Vd) float32."""
+    return torch.softmax(target_logits.index_select(-1, used).float(), dim=-1)
 
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd", "lk", "argmax")  # the `divergence` a drafter trains with
@@ -219,13 +224,8 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
         train_w = ctx.needs_input_grad[1]  # a frozen head (DFlash: the target's rows) needs no dL/dW
         ctx.setup = (scale, chunk, tv_weight, divergence, train_w, weight.dtype)
         loss, argmax = x.new_zeros((), dtype=torch.float32), torch.empty(len(x), dtype=torch.long, device=x.device)
-        grads = None if recompute else fused_chunks(ctx, x, weight, target_p, target_rows, loss, argmax)
+        grads = fused_chunks(ctx, x, weight, target_p, target_rows, loss, argmax, grads=not recompute)
         if recompute:
-            w = weight.to(x.dtype)
-            for rows in chunk_slices(len(x), chunk):
-                z = (x[rows] @ w.T).float()  # (c, Vd)
-                argmax[rows] = z.argmax(-1)
-                add_chunk_loss(loss, z, chunk_labels(target_p, target_rows, rows), tv_weight, divergence)
             ctx.labels = (target_p, target_rows)
             ctx.save_for_backward(x, weight)
         else:
@@ -259,30 +259,29 @@ def chunk_labels(target_p, target_rows: Tensor | None, rows: slice) -> Tensor:
 
 
 @torch.no_grad()
-def add_chunk_loss(loss: Tensor, z: Tensor, p: Tensor, tv_weight: float, divergence: str) -> None:
-    """Add the summed loss of one chunk of logits z (c, Vd) float32 against p (c, Vd), without its gradient, into
-    `loss`, in fused_chunks' order of additions (the two schedules' losses are equal bit for bit)."""
-    log_q = torch.log_softmax(z, dim=-1)
-    loss += divergence_rows(log_q, p, divergence).sum()
-    if tv_weight:
-        loss += tv_weight * 0.5 * (log_q.exp() - p).abs().sum()
-
-
-@torch.no_grad()
 def fused_chunks(ctx, x: Tensor, weight: Tensor, target_p, target_rows: Tensor | None,
-                 loss: Tensor | None = None, argmax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 loss: Tensor | None = None, argmax: Tensor | None = None, grads: bool = True
+                 ) -> tuple[Tensor, Tensor] | None:
     """LinearSoftCrossEntropy's chunk loop: dL/dx (M, h) and dL/dW (Vd, h) float32 (empty for a frozen head), each
-    scaled by ctx.setup's scale; adds each chunk's loss into `loss` and writes its argmax where given."""
+    scaled by ctx.setup's scale; adds each chunk's loss into `loss` and writes its argmax where given.
+    grads=False: the loss and argmax alone (the recompute schedule's forward) -> None."""
     scale, chunk, tv_weight, divergence, train_w, _ = ctx.setup
     w = weight.to(x.dtype)
-    grad_x = torch.empty_like(x)
-    grad_w = torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32, device=x.device)
+    if grads:
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape if train_w else (0,), dtype=torch.float32, device=x.device)
     for rows in chunk_slices(len(x), chunk):
         p = chunk_labels(target_p, target_rows, rows)  # (c, Vd)
         z = (x[rows] @ w.T).float()  # (c, Vd)
         if argmax is not None:
             argmax[rows] = z.argmax(-1)
-        row_loss, dz, q = divergence_grad(torch.log_softmax(z, dim=-1), p, divergence)  # (c,), (c, Vd), (c, Vd)
+        log_q = torch.log_softmax(z, dim=-1)
+        if not grads:  # the same sum as below, in the same order of additions: equal bit for bit
+            loss += divergence_rows(log_q, p, divergence).sum()
+            if tv_weight:
+                loss += tv_weight * 0.5 * (log_q.exp() - p).abs().sum()
+            continue
+        row_loss, dz, q = divergence_grad(log_q, p, divergence)  # (c,), (c, Vd), (c, Vd)
         if loss is not None:
             loss += row_loss.sum()
         if tv_weight:
@@ -295,7 +294,7 @@ def fused_chunks(ctx, x: Tensor, weight: Tensor, target_p, target_rows: Tensor |
         grad_x[rows] = dz @ w
         if train_w:
             grad_w += (dz.T @ x[rows]).float()
-    return grad_x, grad_w
+    return (grad_x, grad_w) if grads else None
 
 
 LOSS_CHUNK_ELEMENTS = 2**23  # (c, Vd) float32 logits of one fused-loss chunk: 32 MB, whatever Vd
@@ -366,8 +365,7 @@ class RecomputedLabels:
 
     @torch.no_grad()
     def __getitem__(self, rows: Tensor) -> Tensor:
-        # draft_vocab_targets' target_p alone: softmax over the draft vocabulary's columns of the target's logits
-        return torch.softmax(self.head(self.hidden[rows]).index_select(-1, self.used).float(), dim=-1)
+        return draft_vocab_softmax(self.head(self.hidden[rows]), self.used)  # draft_vocab_targets' target_p
 
     def __len__(self) -> int:
         return len(self.hidden)

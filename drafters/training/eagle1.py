@@ -113,12 +113,12 @@ def chunked_token_loss(drafter: Eagle1Drafter, predicted: Tensor, target_logits,
     def token_rows(part: slice) -> tuple[Tensor, Tensor]:
         target = target_logits[batch_index[part], position[part]]  # (c, V)
         with torch.no_grad():
-            target_p = torch.softmax(target.float(), dim=-1)
+            target_p, target_argmax = torch.softmax(target.float(), dim=-1), target.argmax(-1)  # (c, V), (c,)
         everywhere = torch.ones(len(target), dtype=torch.bool, device=target.device)  # (c,)
         logits = drafter.compute_logits(predicted[part])  # (c, V)
-        loss = soft_cross_entropy(logits, target_p, everywhere, target.argmax(-1), everywhere,
+        loss = soft_cross_entropy(logits, target_p, everywhere, target_argmax, everywhere,
                                   num_positions=max(total, 1))[0]  # the chunk's share of the mean
-        return loss, (logits.detach().argmax(-1) == target.argmax(-1)).sum()
+        return loss, (logits.detach().argmax(-1) == target_argmax).sum()
 
     loss, correct = in_row_chunks(token_rows, total, drafter.config.vocab_size)
     count = torch.tensor(total, device=predicted.device)
