@@ -8,7 +8,9 @@ wrong type. This module knows nothing about targets, drafters or training.
 
 import dataclasses
 import difflib
+import logging
 import math
+import os
 import sys
 import types
 import typing
@@ -29,17 +31,35 @@ class RecipeError(UserError):
 def run_main(main) -> None:
     """An entry script's `if __name__ == "__main__":` - main(sys.argv[1:]), where a UserError (a wrong
     recipe, data file, target or checkpoint, and what to do about it) prints `error: <message>` and exits
-    2 (drafters.errors: a run stopped by a signal prints `stopped: ...` and exits 130), without a traceback; Ctrl-C outside the training loop (which saves and stops on its own) exits 130
-    with a sentence."""
+    2 (drafters.errors: a run stopped by a signal prints `stopped: ...` and exits 130), without a traceback;
+    Ctrl-C outside the training loop (which saves and stops on its own) exits 130 with a sentence."""
+    code = 0
     try:
         main(sys.argv[1:])
     except UserError as error:
         print(f"{error.label}: {error}", file=sys.stderr)
-        raise SystemExit(error.exit_code) from None
+        code = error.exit_code
     except KeyboardInterrupt:  # before the loop's own handler is in place (start-up: loading the target, the data)
         print("\ninterrupted (Ctrl-C); what was saved before is intact: run the same command to start again (a "
               "training run with resume_from=latest continues from its last checkpoint)", file=sys.stderr)
-        raise SystemExit(130) from None
+        code = 130
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_launched_process(code)
+    if code:
+        raise SystemExit(code) from None
+
+
+def exit_launched_process(code: int) -> None:
+    """Exit one process of a multi-process launch with `code`, skipping the interpreter's finalization. The
+    distributed state outlives destroy_process_group: DTensor's sharding caches keep FSDP2's device mesh, and so
+    the gloo backend and its threads, alive to the end; a backend thread that releases a tensor while the
+    interpreter is being torn down cannot take the GIL and aborts the process ("terminate called without an
+    active exception", exit -6) after a complete, saved run. Everything this project writes is closed by then
+    (checkpoints, metrics, wandb's finish); what is left is to flush the standard streams and logging."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
