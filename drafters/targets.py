@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -424,13 +425,12 @@ def load_cache(cache: Path, dtype: torch.dtype, decoder: bool | str = True):
 
 
 def dequantise(path: Path):
-    # Every call below re-parses the GGUF metadata (about 20 s for Gemma-3's 262k-token vocabulary):
-    # parse the config once and hand it to the model and the tokenizer.
     where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
     try:
-        config = AutoConfig.from_pretrained(**where)
-        model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(**where, config=config)
+        with one_gguf_parse():
+            config = AutoConfig.from_pretrained(**where)
+            model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(**where, config=config)
     except (OSError, ValueError, KeyError) as err:
         raise TargetError(
             f"{path} is not a GGUF file transformers can load ({err}): it may be corrupt or truncated "
@@ -440,6 +440,29 @@ def dequantise(path: Path):
     if model.hf_quantizer is not None:
         model.hf_quantizer.remove_quantization_config(model)
     return model, tokenizer
+
+
+@contextmanager
+def one_gguf_parse():
+    """Within the block, gguf.GGUFReader returns one parsed reader per (file, mode). transformers builds a new reader
+    in each of the config's, the model's and the tokenizer's from_pretrained, and a reader parses every metadata
+    field in Python on construction: about 20 s each for Gemma-3's 262k-token vocabulary, 2/3 of a first load. The
+    readers are only read from (fields and tensors), so sharing one changes nothing they return."""
+    import gguf
+
+    make, readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = make(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = make
 
 
 def write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache: Path) -> None:

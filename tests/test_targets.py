@@ -294,6 +294,33 @@ def test_smollm2_cached_load_is_fast_and_identical(smollm2, real_cache):
     assert torch.equal(cached.features(ids).logits, first.features(ids).logits)
 
 
+def test_a_gguf_is_parsed_once_while_dequantising(tmp_path):
+    # transformers builds a GGUFReader in each from_pretrained (config, model, tokenizer); inside one_gguf_parse
+    # the same file gives the same parsed reader, the same fields, and the class is back afterwards
+    import gguf
+
+    from drafters.targets import one_gguf_parse
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", 7)
+    writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fresh = gguf.GGUFReader(path)
+    with one_gguf_parse():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        built = [first, again, gguf.GGUFReader(tmp_path / "." / "t.gguf")]
+        from gguf import GGUFReader  # what transformers' loader does, inside its function
+        built.append(GGUFReader(path))
+    assert all(reader is first for reader in built) and first is not fresh
+    assert first.fields["test.value"].contents() == fresh.fields["test.value"].contents() == 7
+    assert [t.name for t in first.tensors] == [t.name for t in fresh.tensors] == ["w"]
+    assert gguf.GGUFReader(path) is not first  # restored: a new parse outside the block
+
+
 @pytest.mark.real
 def test_gemma3_loads_and_cache_reproduces_logits(gemma3, real_cache):
     first, first_seconds = gemma3
