@@ -234,12 +234,28 @@ def prepare_drafters(spec: str, target, target_file, args, dtype: str, p_mins: l
     label = f"{manifest['family']} {shown}" + (f" {dtype}" if tag_dtype else "")
     out = []
     for n_max in (length or manifest["draft_n_max"] for length in lengths):
+        note = short_block_note(manifest, n_max)
+        if note:
+            print(f"{label} x{n_max}: {note}")
         for p_min in p_mins:
             name = f"{label} x{n_max}" + (f" p{p_min:g}" if p_min else "")
             out.append({"mode": Mode(name, manifest["spec_type"], drafter_file, n_max, p_min), "label": label,
                         "checkpoint": checkpoint, "first_of_file": not out,
                         "referee": p_min == 0 and dtype == args.export_dtype.split(",")[0].strip()})
     return out
+
+
+def short_block_note(manifest: dict, n_max: int) -> str | None:
+    """What a block drafter (DFlash, DSpark) drafted with fewer than its export's draft_n_max (block_size - 1) means:
+    llama.cpp drafts a block of n_max + 1 positions, [last token, mask x n_max], where our decoder drafts the
+    trained block and reads its first n_max slots; attention inside a block is bidirectional, so the two blocks'
+    slots have other logits. None for a full block and for chain drafters."""
+    full = manifest["draft_n_max"]
+    if manifest["family"] not in ("dflash", "dspark") or n_max >= full:
+        return None
+    return (f"llama.cpp drafts a block of {n_max + 1} positions, this drafter was trained on blocks of {full + 1}: "
+            f"its acceptance here is on a shorter block than ours, and the referee's counts may differ by that; "
+            f"@{full} compares like with like")
 
 
 def forward_cost(target_file, step_costs: list[dict], rows: list[dict], args) -> dict:
