@@ -303,9 +303,9 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
     if run.sink is not None:
         run.sink.finish()
     summary = Summary(total_steps, run.tokens_total, losses, result, checkpoint, target, run.whole_drafter())
-    if accelerator.num_processes > 1:  # a clean end of the process group: left to interpreter exit, a gloo
-        accelerator.wait_for_everyone()  # process could abort ("terminate called without an active exception")
-        accelerator.end_training()
+    if accelerator.num_processes > 1:  # every process done, then the group ended; that alone does not stop gloo's
+        accelerator.wait_for_everyone()  # threads from aborting the process at interpreter exit: run_main skips it
+        accelerator.end_training()  # (drafters.training.recipe.exit_launched_process)
     return summary
 
 
