@@ -49,7 +49,7 @@ from drafters.decode.tree import parse_tree_spec
 from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError, LlamaServer, bench_forward_ms, check_pair
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.llama_cpp import MANIFEST, TARGET_WEIGHTS, target_gguf
+from drafters.export.llama_cpp import LLAMA_CPP_FAMILIES, MANIFEST, TARGET_WEIGHTS, target_gguf
 from drafters.files import check_writable, drafter_sha256
 from drafters.targets import TargetError, load_target
 
@@ -251,7 +251,8 @@ def short_block_note(manifest: dict, n_max: int) -> str | None:
     trained block and reads its first n_max slots; attention inside a block is bidirectional, so the two blocks'
     slots have other logits. None for a full block and for chain drafters."""
     full = manifest["draft_n_max"]
-    if manifest["family"] not in ("dflash", "dspark") or n_max >= full:
+    family = LLAMA_CPP_FAMILIES.get(manifest["family"])
+    if family is None or not family.drafts_block or n_max >= full:
         return None
     return (f"llama.cpp drafts a block of {n_max + 1} positions, this drafter was trained on blocks of {full + 1}: "
             f"its acceptance here is on a shorter block than ours, and the referee's counts may differ by that; "

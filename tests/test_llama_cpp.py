@@ -314,6 +314,13 @@ def test_a_block_drafter_on_a_shorter_chain_than_its_block_is_said_to_be_drafted
         assert "block of 4 positions" in said and "blocks of 8" in said and "@7" in said
         assert note({"family": family, "draft_n_max": 7}, 7) is None
     assert note({"family": "eagle3", "draft_n_max": 3}, 1) is None  # a chain drafter drafts token by token
+    # the note follows the family table, not a list of names: every family llama.cpp serves is either a block
+    # drafter (said) or a chain one (silent)
+    from drafters.export.llama_cpp import LLAMA_CPP_FAMILIES
+
+    assert {name for name, family in LLAMA_CPP_FAMILIES.items() if family.drafts_block} == {"dflash", "dspark"}
+    for name, family in LLAMA_CPP_FAMILIES.items():
+        assert (note({"family": name, "draft_n_max": 7}, 3) is None) == (not family.drafts_block)
 
 
 def test_an_export_is_reused_only_for_the_checkpoint_content_it_was_made_from(tiny, drafters_for_tiny, tmp_path,

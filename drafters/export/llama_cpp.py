@@ -52,11 +52,13 @@ MANIFEST = "llama-cpp.json"
 @dataclass(frozen=True)
 class LlamaCppFamily:
     """How llama.cpp serves one drafter family: the export layout its converter reads, its --spec-type, the
-    default draft length, and whether the converter maps a reduced draft vocabulary back to target ids."""
+    default draft length, whether the converter maps a reduced draft vocabulary back to target ids, and whether it
+    drafts a block in one pass (whose length is then the draft length asked for, not the trained block's)."""
     intermediate: str  # the drafters.export format handed to convert_hf_to_gguf.py
     spec_type: str
     draft_n_max: object  # config dict -> --spec-draft-n-max
     maps_draft_vocab: bool
+    drafts_block: bool = False  # one pass over [last token, mask x n_max] (common/speculative.cpp)
 
 
 # The llama.cpp layer's family table (the families it serves). DFlash decodes n_max + 1 slots (the pending token
@@ -64,9 +66,9 @@ class LlamaCppFamily:
 LLAMA_CPP_FAMILIES = {
     "eagle3": LlamaCppFamily("vllm", "draft-eagle3", lambda config: 3, maps_draft_vocab=True),
     "dflash": LlamaCppFamily("sglang", "draft-dflash", lambda config: int(config["block_size"]) - 1,
-                             maps_draft_vocab=False),
+                             maps_draft_vocab=False, drafts_block=True),
     "dspark": LlamaCppFamily("vllm", "draft-dspark", lambda config: int(config["block_size"]) - 1,
-                             maps_draft_vocab=True),
+                             maps_draft_vocab=True, drafts_block=True),
 }
 GGUF_ARCHITECTURES = {"dspark": "dflash"}  # the converter writes the family's name, DSpark's as DFlash's
 SPEC_TYPES = {name: family.spec_type for name, family in LLAMA_CPP_FAMILIES.items()}
