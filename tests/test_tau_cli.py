@@ -55,6 +55,7 @@ def test_prompt_lookup_end_to_end_writes_the_documented_json(bench, tmp_path, ca
     assert groups[0]["tau"] == pytest.approx(written["tau"])
     assert groups[0]["per_depth_acceptance"] == pytest.approx(written["per_depth_acceptance"])
     assert 0 <= written["model"]["a_from_tau"] <= 1
+    assert written["draft_vocab"] is None  # prompt lookup drafts any id
     assert "tau (accepted + bonus)" in capsys.readouterr().out
     assert not list(tmp_path.glob(".out.json.*"))  # no temp file left
 
@@ -158,6 +159,18 @@ def test_a_greedy_mismatch_is_recorded_and_loud(capsys):
     assert "MISMATCH" in capsys.readouterr().err
 
 
+def test_the_draft_vocabulary_counts_answer_tokens_only():
+    run = evaluate.Run()
+    prompt, spec = torch.tensor([1, 2]), torch.tensor([1, 2, 5, 6, 7])
+    evaluate.record(run, BenchItem("q1", "c", ("t",)), 0, prompt, None, 0.0, spec, RoundStats(), 1.0,
+                    SamplingConfig(), draftable=torch.tensor([1, 5, 7]))  # id 1 is in the prompt, not the answer
+    evaluate.record(run, BenchItem("q2", "c", ("t",)), 0, prompt, None, 0.0, spec, RoundStats(), 1.0,
+                    SamplingConfig(), draftable=torch.tensor([6]))
+    assert [p["in_draft_vocab"] for p in run.prompts] == [2, 1]
+    assert evaluate.draft_vocab_coverage(run.prompts) == {"answer_tokens": 6, "in_vocab": 3, "share": 0.5}
+    assert evaluate.draft_vocab_coverage(run.prompts[:0]) is None
+
+
 def test_a_trained_eagle3_checkpoint_is_a_proposer(bench, tmp_path):
     # A native EAGLE-3 checkpoint directory plugs into --proposer; greedy output still equals generate.
     from drafters.checkpoint import save_checkpoint, target_info
@@ -174,6 +187,15 @@ def test_a_trained_eagle3_checkpoint_is_a_proposer(bench, tmp_path):
     report = run(bench, tmp_path / "e3.json", "--proposer", str(tmp_path / "eagle3"), "--tree",
                  "dynamic:total=6,depth=3,topk=2")
     assert report["greedy_check"]["mismatches"] == 0 and report["rounds"] > 0
+    # the share of the answers' tokens its 64-id vocabulary holds, counted here on generate's own answer
+    one = run(bench, tmp_path / "e3-one.json", "--proposer", str(tmp_path / "eagle3"), "--tree", "chain:2",
+              "--limit", "1")
+    prompt = torch.tensor(evaluate.render_prompt(target.tokenizer, evaluate.load_bench(str(bench))[0], []))
+    answer, _ = evaluate.baseline(target, prompt, 16, SamplingConfig(), seed=0)
+    answer = answer[prompt.numel():]
+    held = int(torch.isin(answer, vocab.used).sum())
+    assert 0 < held < answer.numel()  # a test that can tell a count from "all" or "none"
+    assert one["draft_vocab"] == {"answer_tokens": answer.numel(), "in_vocab": held, "share": held / answer.numel()}
 
 
 def test_shards_merge_to_the_unsharded_run(bench, tmp_path):

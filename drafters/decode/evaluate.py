@@ -14,6 +14,10 @@ Reported (and written atomically as JSON with --json):
   tau          mean over rounds of accepted draft tokens + 1 (bonus); rounds = target forwards
                after the prefill; the tree budget is stated with and without the root
   acceptance   per depth d: rounds that accepted depth d / rounds that drafted depth d
+  draft vocab  for a drafter with a reduced draft vocabulary (EAGLE-3, DFlash, DSpark, P-EAGLE): the share of
+               the answers' tokens the vocabulary holds. The others can never be drafted, so the share caps
+               every depth's acceptance; a vocabulary chosen to cover 95% of the training text can hold far
+               less of another text's tokens
   speed        tokens/s of both methods (prefill included), speedup, mean draft / verify /
                bookkeeping time per round
   model        expected speedup (1 - a^(k+1)) / ((1 - a)(c k + 1)) beside the measured one, with
@@ -301,7 +305,7 @@ def evaluate_item(target, proposer, item: BenchItem, index: int, settings: Setti
         base, base_s = (None, 0.0) if settings.no_baseline else baseline(target, prompt, max_new_tokens,
                                                                           sampling, seed)
         spec, stats, spec_s = speculative(target, proposer, prompt, max_new_tokens, sampling, seed)
-        record(run, item, turn, prompt, base, base_s, spec, stats, spec_s, sampling)
+        record(run, item, turn, prompt, base, base_s, spec, stats, spec_s, sampling, draftable_ids(proposer))
         answer = target.tokenizer.decode((spec if base is None else base)[prompt.numel():].tolist(),
                                          skip_special_tokens=True)
         history += [{"role": "user", "content": item.turns[turn]},
@@ -334,7 +338,15 @@ def speculative(target, proposer, prompt, max_new_tokens, sampling, seed):
     return out.cpu(), stats, time.perf_counter() - start
 
 
-def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, spec_s, sampling):
+def draftable_ids(proposer) -> torch.Tensor | None:
+    """The target ids a proposer can draft (its draft vocabulary's `used`, (Vd,)), or None: any id."""
+    proposer = getattr(proposer, "proposer", proposer)  # through AdaptiveChain
+    used = getattr(proposer, "used", None)
+    return None if used is None else used.cpu()
+
+
+def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, spec_s, sampling,
+           draftable: torch.Tensor | None = None):
     n = prompt.numel()
     run.base_tokens += 0 if base is None else base.numel() - n
     run.base_s += base_s
@@ -353,7 +365,10 @@ def record(run: Run, item, turn, prompt, base, base_s, spec, stats: RoundStats, 
     run.prompts.append({"id": item.id, "turn": turn + 1, "category": item.category,
                         "prompt_tokens": n, "baseline_tokens": None if base is None else base.numel() - n,
                         "speculative_tokens": spec.numel() - n, "rounds": stats.num_rounds,
-                        "tau": stats.tau, "match": match})
+                        "tau": stats.tau, "match": match,
+                        # answer tokens the draft vocabulary holds (None: the proposer drafts any id)
+                        "in_draft_vocab": None if draftable is None else
+                        int(torch.isin(spec[n:], draftable).sum())})
 
 
 POSITION_BUCKET = 32  # tokens of an answer per by_answer_position group
@@ -417,6 +432,7 @@ def summarize(run: Run, settings: Settings, budget: int, threads: int) -> dict:
         "threads": threads,
         "num_prompts": len(run.prompts), "skipped": run.skipped,
         "rounds": stats.num_rounds, "tau": stats.tau, "per_depth_acceptance": per_depth,
+        "draft_vocab": draft_vocab_coverage(run.prompts),
         # where in the answers the rounds were: acceptance early in an answer differs from later on
         "by_answer_position": position_acceptance(stats.accepted, stats.tree_depths,
                                                   [p["rounds"] for p in run.prompts], POSITION_BUCKET),
@@ -437,6 +453,17 @@ def summarize(run: Run, settings: Settings, budget: int, threads: int) -> dict:
         # every round, so shards merge exactly (--merge)
         "raw": {**{key: getattr(stats, key) for key in RAW_ROUNDS}, "mismatches": run.mismatches},
     }
+
+
+def draft_vocab_coverage(prompts: list[dict]) -> dict | None:
+    """{answer_tokens, in_vocab, share} over every answer, from per_prompt (so --merge sums shards exactly);
+    None when the proposer drafts any id."""
+    counted = [p for p in prompts if p.get("in_draft_vocab") is not None]
+    if not counted:
+        return None
+    tokens = sum(p["speculative_tokens"] for p in counted)
+    held = sum(p["in_draft_vocab"] for p in counted)
+    return {"answer_tokens": tokens, "in_vocab": held, "share": held / tokens if tokens else 1.0}
 
 
 def report_and_write(run: Run, settings: Settings, budget: int, threads: int, out: str | None,
@@ -529,6 +556,8 @@ def print_report(r: dict) -> None:
         ("tau (accepted + bonus)", f"{r['tau']:.3f} over {r['rounds']} rounds"),
         ("acceptance by depth", " ".join(f"d{d + 1}:{x:.2f}" for d, x in
                                          enumerate(r["per_depth_acceptance"])) or "-"),
+        *([("answers in draft vocab", f"{r['draft_vocab']['share']:.1%} of {r['draft_vocab']['answer_tokens']} "
+                                      "tokens (the rest can never be drafted)")] if r.get("draft_vocab") else []),
         *([("by answer position", "; ".join(
             f"{g['start']}-{g['start'] + POSITION_BUCKET - 1}: tau {g['tau']:.2f}, d1 "
             f"{(g['per_depth_acceptance'] or [0.0])[0]:.2f} ({g['rounds']} rounds)"
