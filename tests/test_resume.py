@@ -16,6 +16,7 @@ from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: pa
 from drafters.checkpoint import load_checkpoint
 from drafters.training.recipe import RecipeError
 from drafters.training.loop import NonFiniteLoss
+from drafters.training.resume import earlier_run_files
 
 eagle = load_script("train/eagle.py")
 RECIPE = "recipes/eagle3_tiny.yaml"  # 6 steps, eval at 3 and 6
@@ -162,3 +163,36 @@ def test_keep_last_prunes_old_step_checkpoints(tmp_path):
     train(tmp_path / "k", "save_every=1", "keep_last=2")
     assert sorted(p.name for p in (tmp_path / "k").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5",
                                                                             "checkpoint-final"]
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights_and_vocabulary(uninterrupted, tmp_path):
+    # lr 1e-30 (the recipe refuses 0): every update is below a float32 weight's last bit, so the run ends exactly
+    # where it started and its final weights are what it started from. The recipe asks for
+    # another vocabulary size; a run from a checkpoint keeps the checkpoint's vocabulary (its LM head's ids)
+    start = uninterrupted / "checkpoint-4"
+    summary = train(tmp_path / "from", f"init_from={start}", "optim.lr=1e-30", "max_steps=2", "draft_vocab_size=32")
+    assert summary.steps == 2  # a fresh run: its own step count and schedule, not the checkpoint's step 4
+    started, ended = load_checkpoint(start).state_dict, weights(tmp_path / "from")
+    assert started.keys() == ended.keys()
+    assert all(torch.equal(started[k], ended[k]) for k in started)
+    # without init_from the same recipe starts from a random drafter (another vocabulary size, other weights)
+    train(tmp_path / "fresh", "optim.lr=1e-30", "max_steps=2", "draft_vocab_size=32")
+    assert weights(tmp_path / "fresh")["d2t"].numel() == 32 != started["d2t"].numel()
+
+
+def test_init_from_what_cannot_start_this_run_is_refused_before_any_work(uninterrupted, tmp_path):
+    start = uninterrupted / "checkpoint-final"
+    with pytest.raises(RecipeError, match=r"init_from=.*nowhere: not a drafter checkpoint directory"):
+        train(tmp_path / "a", f"init_from={tmp_path / 'nowhere'}")
+    with pytest.raises(RecipeError, match=r"(?s)builds another drafter.*norm_before_fc: recipe builds True, "
+                                          "checkpoint has False"):
+        train(tmp_path / "b", f"init_from={start}", "norm_before_fc=true")
+    with pytest.raises(RecipeError, match="init_from: .*model_type"):
+        train(tmp_path / "c", f"init_from={start}", "target=tiny-random-gemma3")
+    other = tmp_path / "medusa-like"
+    os.system(f"cp -r {start} {other}")
+    meta = json.loads((other / "drafter.json").read_text())
+    (other / "drafter.json").write_text(json.dumps({**meta, "family": "medusa"}))
+    with pytest.raises(RecipeError, match="a 'medusa' checkpoint, but this recipe trains 'eagle3'"):
+        train(tmp_path / "d", f"init_from={other}")
+    assert not any(earlier_run_files(tmp_path / name) for name in "abcd")  # no checkpoint, metrics or eval rows

@@ -46,7 +46,7 @@ from drafters.training.loop import Summary, fit, start_run
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, read_recipe
-from drafters.training.resume import field_default
+from drafters.training.resume import field_default, initial_checkpoint, initial_vocab, load_initial_weights
 from drafters.training.schema import load_train_recipe
 
 
@@ -168,9 +168,13 @@ def train(recipe, tag: str | None = None) -> Summary:
         store.check(recipe, target, family)
         say(store.summary())
     family.check_rows(recipe, train_rows)
-    vocab = choose_draft_vocab(recipe, target, train_rows, say) if family.draft_vocab else None
+    start = initial_checkpoint(recipe, target)  # init_from: refused here, before any work, when it cannot start this run
+    vocab = None if not family.draft_vocab else \
+        choose_draft_vocab(recipe, target, train_rows, say) if start is None else initial_vocab(start)
     set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
     objective = family.build(recipe, target, train_rows, vocab, say)
+    if start is not None:
+        load_initial_weights(objective.drafter, start, say)  # (a resumed run then loads its own on top)
     pad = pad_id(target)
     loader = train_loader(recipe, train_rows, pad) if store is None else offline_loader(recipe, store, train_rows, pad)
     eval_batches = length_sorted_batches(held_out, recipe.batch_size)

@@ -12,7 +12,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafters.checkpoint import CheckpointError, check_target, damage, save_checkpoint, step_checkpoints
+from drafters.checkpoint import (
+    CheckpointError,
+    check_target,
+    damage,
+    load_checkpoint,
+    save_checkpoint,
+    step_checkpoints,
+)
+from drafters.draft_vocab import DraftVocab
 from drafters.errors import UserError
 from drafters.files import check_writable, data_sha256, disk_full, hold_lock
 from drafters.training.recipe import RecipeError
@@ -247,6 +255,47 @@ def check_same_data(ckpt, path: str, allow_changes: bool) -> None:
                       "from the one the checkpoint recorded), so the train / held-out split would move and "
                       "training rows could land in the held-out set; resume with the original file, or set "
                       "allow_recipe_changes=true to continue on the new one")
+
+
+def initial_checkpoint(recipe, target):
+    """init_from's checkpoint, refused before any work unless it is a drafter of this recipe's family for this
+    target -> drafters.checkpoint.Checkpoint, or None when init_from is null."""
+    if recipe.init_from is None:
+        return None
+    path = Path(recipe.init_from)
+    if not (path / "drafter.json").is_file():
+        raise RecipeError(f"init_from={path}: not a drafter checkpoint directory (no drafter.json there); name a "
+                          "checkpoint-<step> or checkpoint-final directory of an earlier run")
+    ckpt = load_checkpoint(path)
+    if ckpt.family != recipe.drafter:
+        raise RecipeError(f"init_from={path}: a {ckpt.family!r} checkpoint, but this recipe trains "
+                          f"{recipe.drafter!r}; start from a {recipe.drafter!r} checkpoint or set drafter={ckpt.family}")
+    try:
+        check_target(ckpt, target)
+    except CheckpointError as error:
+        raise RecipeError(f"init_from: {error}") from None
+    return ckpt
+
+
+def initial_vocab(ckpt):
+    """The draft vocabulary of init_from's checkpoint: a run started from its weights keeps its vocabulary (the
+    LM head's rows are its ids), whatever draft_vocab_size / draft_vocab_coverage would count on the new data."""
+    return DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path))
+
+
+def load_initial_weights(drafter, ckpt, say) -> None:
+    """init_from: the freshly built `drafter` takes the checkpoint's weights. Its architecture comes from the
+    recipe, so every config field must equal the checkpoint's; the refusal names each one."""
+    built = json.loads(json.dumps(asdict(drafter.config)))  # tuples -> lists, as drafter.json stores them
+    wrong = [f"{key}: recipe builds {built.get(key)!r}, checkpoint has {ckpt.config.get(key)!r}"
+             for key in sorted(set(built) | set(ckpt.config)) if built.get(key) != ckpt.config.get(key)]
+    if wrong:
+        raise RecipeError(f"init_from={ckpt.path}: this recipe builds another drafter than the checkpoint holds:\n  "
+                          + "\n  ".join(wrong) + "\nset the recipe's fields that build these (layers, norms, sizes) "
+                          "to the checkpoint's values (its drafter.json, extra.recipe)")
+    drafter.load_state_dict(ckpt.state_dict, strict=True)
+    say(f"init_from: the drafter starts from {ckpt.path} (step {ckpt.extra.get('step', '?')} of its run); optimizer, "
+        "schedule and step start fresh")
 
 
 def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Position, int]:

@@ -103,6 +103,9 @@ class TrainRecipe:
     eval_every: int = 0  # 0 = only at the end
     resume_from: str | None = None  # null | latest (newest checkpoint-<step> in output_dir) | a directory
     allow_recipe_changes: bool = False  # resume even though the recipe differs from the checkpoint's
+    # null | a native checkpoint of this family and target: its weights (and draft vocabulary) start the run, whose
+    # optimizer, schedule and step start fresh: a drafter fine-tuned on other data (drafters.training.resume)
+    init_from: str | None = None
     # refuse, before the first step, a step whose estimated memory exceeds the device's free memory
     # (drafters/training/memory.py: EAGLE-3, DFlash, DSpark)
     check_memory: bool = True
