@@ -228,16 +228,22 @@ def field_default(f: dataclasses.Field):
     return asdict(value) if dataclasses.is_dataclass(value) else value
 
 
-def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool, *,
-                 schema: type | None = None) -> None:
-    """The checkpoint must be of this family and target, and trained by the same recipe (recipe_diff)."""
+def check_made_for(ckpt, family: str, target, field: str, advice: str) -> None:
+    """A checkpoint named by recipe `field` (resume_from, init_from) must be of this family and target."""
     if ckpt.family != family:
-        raise RecipeError(f"resume_from={ckpt.path}: a {ckpt.family!r} checkpoint, but this recipe trains "
-                          f"{family!r}; resume it with its own recipe or start a fresh run (resume_from=null)")
+        raise RecipeError(f"{field}={ckpt.path}: a {ckpt.family!r} checkpoint, but this recipe trains {family!r}; "
+                          f"{advice}")
     try:
         check_target(ckpt, target)
     except CheckpointError as error:
-        raise RecipeError(f"resume_from: {error}") from None
+        raise RecipeError(f"{field}: {error}") from None
+
+
+def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bool, *,
+                 schema: type | None = None) -> None:
+    """The checkpoint must be of this family and target, and trained by the same recipe (recipe_diff)."""
+    check_made_for(ckpt, family, target, "resume_from",
+                   "resume it with its own recipe or start a fresh run (resume_from=null)")
     diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict, schema=schema)
     if diff and not allow_changes:
         raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
@@ -267,13 +273,8 @@ def initial_checkpoint(recipe, target):
         raise RecipeError(f"init_from={path}: not a drafter checkpoint directory (no drafter.json there); name a "
                           "checkpoint-<step> or checkpoint-final directory of an earlier run")
     ckpt = load_checkpoint(path)
-    if ckpt.family != recipe.drafter:
-        raise RecipeError(f"init_from={path}: a {ckpt.family!r} checkpoint, but this recipe trains "
-                          f"{recipe.drafter!r}; start from a {recipe.drafter!r} checkpoint or set drafter={ckpt.family}")
-    try:
-        check_target(ckpt, target)
-    except CheckpointError as error:
-        raise RecipeError(f"init_from: {error}") from None
+    check_made_for(ckpt, recipe.drafter, target, "init_from",
+                   f"start from a {recipe.drafter!r} checkpoint or set drafter={ckpt.family}")
     return ckpt
 
 
