@@ -177,3 +177,34 @@ def test_the_shipped_smollm2_data_is_what_its_recipe_writes():
             read = yaml.safe_load(path.read_text())["data"]["path"]
             assert made.get(read) == "python train/regenerate.py recipes/regenerate_smollm2.yaml", (path.name, read)
             assert (ROOT / read).stat().st_size > 0
+
+
+def test_the_shipped_smollm2_data_answers_the_shipped_prompts_and_no_evaluation_prompt():
+    # recipes/data/smollm2_general.jsonl grows by regeneration across sessions, from prompt files added to
+    # recipes/prompts/general.jsonl: every row must answer a prompt of that file, word for word, once; the prompts
+    # must carry unique ids in order, each in one of MT-bench's eight categories; and neither file may hold an
+    # MT-bench or HumanEval prompt (exact or a shared word 8-gram), or the shipped drafters are measured on their
+    # own training prompts
+    import json
+
+    from drafters.training.contamination import eval_prompts, find
+
+    prompts = [json.loads(line) for line in (ROOT / "recipes/prompts/general.jsonl").read_text().splitlines()]
+    ids = [p["id"] for p in prompts]
+    assert ids == [f"g{i:04d}" for i in range(1, len(ids) + 1)]
+    assert {p["category"] for p in prompts} == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                                "stem", "humanities"}
+    assert len({p["prompt"] for p in prompts}) == len(prompts), "a prompt is repeated"
+    by_id = {p["id"]: p["prompt"] for p in prompts}
+
+    rows = [json.loads(line) for line in (ROOT / "recipes/data/smollm2_general.jsonl").read_text().splitlines()]
+    assert len({r["id"] for r in rows}) == len(rows), "a prompt is answered twice"
+    for row in rows:
+        user, assistant = row["conversations"]
+        assert user["role"] == "user" and assistant["role"] == "assistant" and assistant["content"], row["id"]
+        assert row["id"] in by_id, f"{row['id']}: answers a prompt recipes/prompts/general.jsonl does not hold"
+        assert user["content"] == by_id[row["id"]], f"{row['id']}: the answered prompt is not the shipped one"
+
+    benches = eval_prompts()
+    assert not benches.missing, f"install the evaluation benches (bash .ci/setup): {benches.missing}"
+    assert find((p["id"], [p["prompt"]]) for p in prompts) == []
