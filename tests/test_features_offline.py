@@ -175,10 +175,46 @@ def test_features_for_another_run_are_refused(scripts, written, tmp_path, overri
                          *overrides])
 
 
+def test_a_store_grows_with_its_data_and_equals_one_written_from_scratch(scripts, written, tmp_path):
+    # 12 rows, then 8 appended (regeneration appends): the full shard of rows 1-8 is kept, the partial one (9-12) and
+    # the new one are computed, and every shard's bytes are those of the store written for the 20 rows at once
+    directory, first = tmp_path / "store", tmp_path / "first.jsonl"
+    first.write_text("".join(DATA.read_text().splitlines(keepends=True)[:12]))
+    scripts[0].main([RECIPE, f"data.path={first}", f"features.dir={directory}"])
+    kept = (directory / "shard-00000.safetensors").stat().st_mtime_ns
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with pytest.raises(FeatureStoreError, match=r"another data file .*12 examples there, 20 now\). If the data grew "
+                                                r"or changed, rerun with features.update=true: 1 of the 3 shards"):
+        scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}"])
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # refused before touching anything
+    index = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}", "features.update=true"])
+    assert (directory / "shard-00000.safetensors").stat().st_mtime_ns == kept
+    assert index["complete"] and index["rows"] == ROWS and index["shards"] == written[1]["shards"]  # sha256 each
+    assert index["data"]["sha256"] == written[1]["data"]["sha256"]
+    FeatureStore.open(directory)  # and training reads it for the 20 rows
+
+
+def test_an_update_recomputes_only_changed_shards_and_drops_those_past_the_end(scripts, written, tmp_path):
+    # row 10 edited (shard 1 holds rows 9-16) and rows 17-20 dropped: shard 0 kept, shard 1 computed, shard 2 removed
+    directory, data = tmp_path / "store", tmp_path / "edited.jsonl"
+    shutil.copytree(written[0], directory)
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:16]]
+    rows[9]["conversations"][-1]["content"] += " That is all."
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    kept = (directory / "shard-00000.safetensors").stat().st_mtime_ns
+    index = scripts[0].main([RECIPE, f"data.path={data}", f"features.dir={directory}", "features.update=true"])
+    assert (directory / "shard-00000.safetensors").stat().st_mtime_ns == kept
+    assert sorted(p.name for p in directory.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    fresh = scripts[0].main([RECIPE, f"data.path={data}", f"features.dir={tmp_path / 'fresh'}"])
+    assert index["shards"] == fresh["shards"] and index["shards"]["shard-00001.safetensors"] != \
+        written[1]["shards"]["shard-00001.safetensors"]
+
+
 def test_changed_data_is_refused(scripts, written, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text(DATA.read_text().replace("2+2 is 4.", "2+2 is four."))
-    with pytest.raises(FeatureStoreError, match="data.sha256 is '[0-9a-f]{64}' in the stored features but"):
+    with pytest.raises(FeatureStoreError, match="data.sha256 is '[0-9a-f]{64}' in the stored features but.*"
+                                                "features.update=true keeps the shards whose rows are unchanged"):
         scripts[1].main([RECIPE, f"data.path={data}", f"output_dir={tmp_path}", f"features.dir={written[0]}"])
 
 

@@ -9,7 +9,9 @@ the `features` section: dir (required here: where to write; training streams fro
 (bfloat16 | float16 | float32 storage), shard_rows; batch_size is the target's forward batch. Runs the
 target over ALL usable examples (the train / held-out split is made at training time, so eval_rows /
 eval_fraction / data.seed may change afterwards) and writes index.json + safetensors shards. Rerunning
-with the same recipe resumes: finished shards are skipped. Prints the storage in bytes per token. Under
+with the same recipe resumes: finished shards are skipped. After the data file grows or changes, rerunning with
+features.update=true keeps every shard whose rows are unchanged and computes the rest (appended rows: only the last
+shard and the new ones); without it such a store is refused. Prints the storage in bytes per token. Under
 `accelerate launch` or torchrun with N processes, each process computes every N-th shard on its own device and
 the store is the one a single process writes (drafters.training.features).
 EAGLE-3 stores the fused aux layers and the final-normed hidden state (for the soft labels); EAGLE-1 its
@@ -54,7 +56,7 @@ def main(argv: list[str]) -> dict:
     if processes.rank == 0:
         print(report.summary())
     return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size,
-                          processes=processes)
+                          processes=processes, update=recipe.features.update)
 
 
 def launched_processes() -> tuple[Processes, torch.device]:

@@ -26,7 +26,10 @@ Writing is resumable: each shard goes to a temporary file renamed into place, in
 atomically after each shard) lists the finished ones, and a rerun skips them. With N processes (`accelerate
 launch` / torchrun), process r computes shards k = r, r + N, ... and lists them in its own index-rank<r>.json; at
 the end process 0 merges those lists into index.json and removes them (a rerun after a crash merges them first).
-Every shard holds the same rows and is computed the same way whatever N is, so the store is the 1-process one. Reading refuses features
+Every shard holds the same rows and is computed the same way whatever N is, so the store is the 1-process one.
+A shard's features depend on its rows' tokens alone, so when the data file grows or changes, features.update=true keeps
+every shard that still holds exactly the rows the new data puts there and computes the rest: the updated store is the
+one a fresh run writes, shard for shard (appended rows recompute only the last partial shard). Reading refuses features
 written for other data (sha256 of the data file's bytes + the data fields that shape the rows), another
 target, storage layout or family, and checks every example's tokens and loss mask against the stored ones.
 Knows nothing about drafters or training loops; `header` comes from the caller (train/features.py).
@@ -37,6 +40,7 @@ import math
 import time
 from dataclasses import asdict
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -113,10 +117,11 @@ class Processes:
 
 
 def write_features(directory, target, examples: list[Example], header: dict, *, batch_size: int = 8,
-                   say=print, processes: Processes | None = None) -> dict:
+                   say=print, processes: Processes | None = None, update: bool = False) -> dict:
     """Runs the target over `examples` (all usable examples, data order) and writes the missing shards, this
     process's share of them when `processes` are several (every process calls this with the same arguments).
-    -> the final index (also in directory/index.json)."""
+    `update`: the directory may hold a store of other data; its shards that hold exactly the rows `examples` put
+    there are kept (`_updatable_index`). -> the final index (also in directory/index.json)."""
     directory = Path(directory)
     processes = processes or Processes()
     rank, world = processes.rank, processes.world
@@ -124,7 +129,7 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
         directory.mkdir(parents=True, exist_ok=True)
     processes.barrier()
     header = {**header, "rows": len(examples), "tokens": sum(map(num_tokens, examples))}
-    index = _resumable_index(directory, header)
+    index = _resumable_index(directory, header, examples, update, say if rank == 0 else lambda line: None)
     processes.barrier()  # every process has read the lists before any process adds to them
     dtype, per_shard = DTYPES[header["dtype"]], header["shard_rows"]
     spec = header["layer_spec"]
@@ -181,6 +186,9 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
                                     f"{', ...' if len(missing) > 3 else ''}); run the same command again to write them")
         index["complete"] = True
         index["bytes"] = sum(s["bytes"] for s in index["shards"].values())
+        for path in directory.glob("shard-*.safetensors"):  # left by an update to fewer rows
+            if path.name not in index["shards"]:
+                path.unlink()
         index["bytes_per_token"] = index["bytes"] / max(index["tokens"], 1)
         _write_index(directory, index)
         for path in directory.glob(RANK_INDEX.format(rank="*")):
@@ -257,17 +265,57 @@ def shard_problem(directory: Path, name: str, entry: dict) -> str | None:
     return None
 
 
-def _resumable_index(directory: Path, header: dict) -> dict:
+def _resumable_index(directory: Path, header: dict, examples: list[Example], update: bool, say) -> dict:
     index = _read_index(directory)
     if index is None:
         return _merge_rank_indexes(directory, {**header, "complete": False, "shards": {}})
     differs = [k for k in ("format", "dtype", "shard_rows", "rows", "tokens") if index.get(k) != header[k]]
     mismatch = header_mismatch(index, header)
+    same_but_data = {**header, "data": {**header["data"], "sha256": index.get("data", {}).get("sha256")}}
+    if mismatch is not None and header_mismatch(index, same_but_data) is None and not set(differs) - {"rows", "tokens"}:
+        return _updatable_index(directory, _merge_rank_indexes(directory, index), header, examples, update, say)
     if differs or mismatch:
         name, old, new = mismatch or (differs[0], index.get(differs[0]), header[differs[0]])
         raise FeatureStoreError(f"{directory / INDEX}: these features were written by another recipe ({name}: "
                                 f"{old!r} there, {new!r} now); delete {directory} or choose another features.dir")
     return _merge_rank_indexes(directory, {**index, **header, "complete": False})
+
+
+def _updatable_index(directory: Path, index: dict, header: dict, examples: list[Example], update: bool, say) -> dict:
+    """The store was written for another data file, and only the data differs (same target, layers, dtype, data
+    fields, shard_rows). Shard k holds examples[k * shard_rows:(k + 1) * shard_rows] of whatever data it was written
+    for, computed from their tokens alone, so a shard whose rows, turns, tokens and loss masks equal what `examples`
+    puts at its place holds exactly the features a fresh store would: it is kept (appended rows keep every full
+    shard). With update=False nothing is touched and the refusal says how many shards would be kept."""
+    per_shard = header["shard_rows"]
+    kept = {name: entry for name, entry in index["shards"].items()
+            if shard_problem(directory, name, entry) is None
+            and _holds(directory / name, examples[entry["first_row"]:entry["first_row"] + per_shard])}
+    total = math.ceil(len(examples) / per_shard)
+    if not update:
+        raise FeatureStoreError(
+            f"{directory / INDEX}: these features were written for another data file (data.sha256 "
+            f"{index['data']['sha256'][:12]}... there, {header['data']['sha256'][:12]}... now: "
+            f"{index['rows']} examples there, {len(examples)} now). If the data grew or changed, rerun with "
+            f"features.update=true: {len(kept)} "
+            f"of the {total} shards it needs hold the same rows and would be kept, the rest computed; or choose "
+            "another features.dir")
+    say(f"features: updating {directory} for other data: {len(kept)} of {total} shards hold the same rows and are "
+        f"kept, {total - len(kept)} to compute")
+    return {**index, **header, "complete": False, "shards": kept}
+
+
+def _holds(path: Path, rows: list[Example]) -> bool:
+    """Whether a shard file holds exactly `rows`: the same data rows and turns, tokens and loss masks, in order."""
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        stored_rows = f.get_tensor("rows").tolist()
+        turns = f.get_tensor("turns").tolist() if "turns" in keys else [0] * len(stored_rows)
+        if [(r, t) for r, t in zip(stored_rows, turns)] != [e.key for e in rows]:
+            return False
+        return (f.get_tensor("input_ids").tolist() == [t for e in rows for t in e.input_ids]
+                and f.get_tensor("loss_mask").int().tolist() == [m for e in rows for m in e.loss_mask]
+                and f.get_tensor("offsets").tolist() == [0, *accumulate(num_tokens(e) for e in rows)])
 
 
 def _read_index(directory: Path) -> dict | None:
@@ -344,10 +392,14 @@ class FeatureStore:
         mismatch = header_mismatch(self.index, features_header(recipe, target, family))
         if mismatch is not None:
             name, stored, current = mismatch
+            grown = (f" (if the data grew or changed, the same command with features.dir={self.directory} "
+                     "features.update=true keeps the shards whose rows are unchanged and computes the rest)"
+                     if name == "data.sha256" else "")
             raise FeatureStoreError(
                 f"{self.directory / INDEX}: {name} is {stored!r} in the stored features but {current!r} in this run, "
                 f"so they were computed for {_what(name)}. Recompute them: python train/features.py RECIPE "
-                f"features.dir=NEW_DIR with this run's recipe and overrides, or point features.dir at matching ones")
+                f"features.dir=NEW_DIR with this run's recipe and overrides{grown}, or point features.dir at matching "
+                "ones")
 
     def summary(self) -> str:
         i = self.index

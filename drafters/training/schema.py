@@ -135,6 +135,9 @@ class Features:  # offline target features (drafters.training.features; written 
     dir: str | None = None  # null = online (a target forward per batch); set = stream the features from here
     dtype: DtypeName = "bfloat16"  # storage dtype (train/features.py)
     shard_rows: int = 512  # examples per safetensors shard (train/features.py)
+    # train/features.py on a store written for other data (rows appended, some edited): true keeps every shard whose
+    # rows are still tokenized exactly as stored and computes the rest; false refuses, saying how many would be kept
+    update: bool = False
 
 
 @dataclass(kw_only=True)
