@@ -40,7 +40,6 @@ import math
 import time
 from dataclasses import asdict
 from functools import partial
-from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -51,12 +50,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from drafters.checkpoint import target_info
-from drafters.training.data import Example, collate
-from drafters.eagle3 import fuse_features
 from drafters.dtypes import DTYPES
+from drafters.eagle3 import fuse_features
 from drafters.files import atomic_path, data_sha256, disk_full, file_sha256, write_text_atomic
-from drafters.training.recipe import RecipeError
 from drafters.training.batches import LengthBuckets, num_tokens
+from drafters.training.data import Example, collate
+from drafters.training.recipe import RecipeError
 
 FORMAT = "drafters-features/1"
 INDEX = "index.json"
@@ -251,16 +250,17 @@ def shard_tensors(target, rows: list[Example], spec: dict, dtype: torch.dtype, b
     }
 
 
-def shard_problem(directory: Path, name: str, entry: dict) -> str | None:
+def shard_problem(directory: Path, name: str, entry: dict, checksum: bool = True) -> str | None:
     """What is wrong with a shard the index lists as written: missing, another size (truncated), or other bytes
-    than were written (its sha256; stores written before the checksum was recorded are checked by size)."""
+    than were written (its sha256; stores written before the checksum was recorded are checked by size).
+    checksum=False checks presence and size only: enough for a count in a message, without reading every byte."""
     path = directory / name
     if not path.is_file():
         return "is missing"
     size = path.stat().st_size
     if size != entry["bytes"]:
         return f"has {size} bytes, {entry['bytes']} were written (truncated or replaced)"
-    if "sha256" in entry and file_sha256(path) != entry["sha256"]:
+    if checksum and "sha256" in entry and file_sha256(path) != entry["sha256"]:
         return "has other bytes than were written (its sha256 differs from the index's)"
     return None
 
@@ -286,10 +286,11 @@ def _updatable_index(directory: Path, index: dict, header: dict, examples: list[
     fields, shard_rows). Shard k holds examples[k * shard_rows:(k + 1) * shard_rows] of whatever data it was written
     for, computed from their tokens alone, so a shard whose rows, turns, tokens and loss masks equal what `examples`
     puts at its place holds exactly the features a fresh store would: it is kept (appended rows keep every full
-    shard). With update=False nothing is touched and the refusal says how many shards would be kept."""
+    shard). With update=False nothing is touched and the refusal says how many shards would be kept (by size and
+    tokens: the checksums are read only when the update runs)."""
     per_shard = header["shard_rows"]
     kept = {name: entry for name, entry in index["shards"].items()
-            if shard_problem(directory, name, entry) is None
+            if shard_problem(directory, name, entry, checksum=update) is None
             and _holds(directory / name, examples[entry["first_row"]:entry["first_row"] + per_shard])}
     total = math.ceil(len(examples) / per_shard)
     if not update:
@@ -307,15 +308,19 @@ def _updatable_index(directory: Path, index: dict, header: dict, examples: list[
 
 def _holds(path: Path, rows: list[Example]) -> bool:
     """Whether a shard file holds exactly `rows`: the same data rows and turns, tokens and loss masks, in order."""
+    return ([(key, ids, mask) for key, ids, mask, _ in stored_examples(path)]
+            == [(e.key, list(e.input_ids), list(e.loss_mask)) for e in rows])
+
+
+def stored_examples(path: Path) -> list[tuple[tuple[int, int], list[int], list[int], tuple[int, int]]]:
+    """A shard's examples in order: ((data row, turn), input_ids, loss_mask, (start, end)), where [start, end) is
+    the example's span of the shard's (N, ...) token tensors: offsets[r], offsets[r + 1]. Stores written before
+    per-turn examples hold one example per data row and no "turns": turn 0."""
     with safe_open(path, framework="pt") as f:
-        keys = set(f.keys())
-        stored_rows = f.get_tensor("rows").tolist()
-        turns = f.get_tensor("turns").tolist() if "turns" in keys else [0] * len(stored_rows)
-        if [(r, t) for r, t in zip(stored_rows, turns)] != [e.key for e in rows]:
-            return False
-        return (f.get_tensor("input_ids").tolist() == [t for e in rows for t in e.input_ids]
-                and f.get_tensor("loss_mask").int().tolist() == [m for e in rows for m in e.loss_mask]
-                and f.get_tensor("offsets").tolist() == [0, *accumulate(num_tokens(e) for e in rows)])
+        ids, masks = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").int().tolist()
+        offsets, rows = f.get_tensor("offsets").tolist(), f.get_tensor("rows").tolist()
+        turns = f.get_tensor("turns").tolist() if "turns" in f.keys() else [0] * len(rows)
+    return [((row, turn), ids[a:b], masks[a:b], (a, b)) for row, turn, a, b in zip(rows, turns, offsets, offsets[1:])]
 
 
 def _read_index(directory: Path) -> dict | None:
@@ -382,7 +387,8 @@ class FeatureStore:
         damaged = [(name, problem) for name, entry in sorted(index["shards"].items())
                    if (problem := shard_problem(directory, name, entry)) is not None]
         if damaged:
-            listed = "; ".join(f"{name} {problem}" for name, problem in damaged[:4]) + ("; ..." if len(damaged) > 4 else "")
+            listed = "; ".join(f"{name} {problem}" for name, problem in damaged[:4])
+            listed += "; ..." if len(damaged) > 4 else ""
             raise FeatureStoreError(f"features.dir={directory}: {len(damaged)} of {len(index['shards'])} shards are "
                                     f"damaged ({listed}). Repair: rerun python train/features.py with the same recipe "
                                     "and features.dir; it checks every shard and computes only the damaged ones again")
@@ -425,17 +431,11 @@ class FeatureStore:
     def _load_tokens(self) -> None:
         self._by_key, self._ids, self._masks = {}, [], []
         for name, _ in self.shards:
-            with safe_open(self.directory / name, framework="pt") as f:
-                ids, masks = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").int().tolist()
-                offsets, rows = f.get_tensor("offsets").tolist(), f.get_tensor("rows").tolist()
-                # stores written before per-turn examples hold one example per row: turn 0
-                turns = f.get_tensor("turns").tolist() if "turns" in f.keys() else [0] * len(rows)
-            for r, (row, turn) in enumerate(zip(rows, turns)):
-                a, b = offsets[r], offsets[r + 1]
-                self._by_key[row, turn] = len(self._where)
-                self._where.append((name, a, b))
-                self._ids.append(ids[a:b])
-                self._masks.append(masks[a:b])
+            for key, ids, mask, span in stored_examples(self.directory / name):
+                self._by_key[key] = len(self._where)
+                self._where.append((name, *span))
+                self._ids.append(ids)
+                self._masks.append(mask)
 
     def features(self, stored: int) -> dict[str, Tensor]:
         """{"features": (T, F), and for EAGLE-3 "label_hidden": (T, h)} in the storage dtype, for the
