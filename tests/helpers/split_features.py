@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from drafters.targets import load_target
 from drafters.training.launch import split_target
+from drafters.training.recipe import exit_launched_process
 
 LAYERS = [2, 4, 5]
 
@@ -45,3 +46,6 @@ def main(out: str, name: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # as train/*.py do: FSDP2's mesh keeps gloo's threads alive into the interpreter's teardown, where one can abort
+    # the process (exit -6) after the files above are complete
+    exit_launched_process(0)
