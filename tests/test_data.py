@@ -12,6 +12,7 @@ from drafters.training.data import (
     build_examples,
     collate,
     load_conversations,
+    repeat_mask,
     tokenize_conversation,
 )
 from drafters.tiny import CHATML_TEMPLATE, build_tiny_tokenizer
@@ -260,6 +261,22 @@ def test_collate_right_pads():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
     assert all(t.dtype == torch.long for t in batch.values())
+
+
+def test_repeat_mask_drops_answer_tokens_that_end_a_span_an_earlier_answer_token_ended():
+    # prompt 1 2 3 | answer 1 2 3 4 5 | prompt 9 | answer 4 5 6 4 5 6 2 3
+    ids = [1, 2, 3, 1, 2, 3, 4, 5, 9, 4, 5, 6, 4, 5, 6, 2, 3]
+    mask = [0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    # n=2: "1 2", "2 3" copied from the prompt are kept (only learnt tokens' spans count); the second answer's
+    # "4 5" (t=10) repeats the first answer's (t=7); "5 6" at t=14 repeats t=11, "4 5" at t=13 too; "2 3" at t=16
+    # repeats t=5; "6 4" (t=12) is new. A span may straddle the prompt: "9 4" ends at a learnt token and is new
+    assert repeat_mask(ids, mask, 2) == [0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 1, 1, 0, 0, 1, 0]
+    # n=3: only "4 5 6" at t=14 (first ended at t=11) repeats; "1 2 3" at t=5 first ends at a learnt token there
+    assert repeat_mask(ids, mask, 3) == [0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1]
+    assert repeat_mask(ids, mask, 18) == mask  # no span that long
+    batch = collate([Example(ids, mask, 1, "x"), Example([7, 7, 7], [0, 1, 1], 2, "x")], pad_id=0, drop_repeats=2)
+    assert batch["loss_mask"].tolist() == [repeat_mask(ids, mask, 2), [0, 1, 0] + [0] * 14]
+    assert collate([Example(ids, mask, 1, "x")], pad_id=0)["loss_mask"].tolist() == [mask]
 
 
 @pytest.mark.real

@@ -55,6 +55,23 @@ def test_online_and_offline_training_give_the_same_losses(scripts, written, tmp_
     assert offline.eval["loss"] == pytest.approx(online.eval["loss"], rel=1e-6)
 
 
+def test_dropped_repeats_train_the_same_offline_as_online_from_a_store_written_without_them(scripts, written, tmp_path):
+    # data.drop_repeats is applied to the batches, not to the store: the store written without it serves a run
+    # with it, and changes the loss of the same batches
+    eagle = scripts[1]
+    common = [RECIPE, f"data.path={DATA}", "max_steps=4", "eval_every=0"]
+    online = eagle.main([*common, "data.drop_repeats=2", f"output_dir={tmp_path / 'online'}"])
+    offline = eagle.main([*common, "data.drop_repeats=2", f"output_dir={tmp_path / 'offline'}",
+                          f"features.dir={written[0]}"])
+    every = eagle.main([*common, f"output_dir={tmp_path / 'all'}", f"features.dir={written[0]}"])
+    assert offline.losses == pytest.approx(online.losses, rel=1e-6, abs=1e-9)
+    # the same batches (the same input tokens per step), a different loss from the first step on
+    assert [m["tokens"] for m in metrics(tmp_path / "offline")] == [m["tokens"] for m in metrics(tmp_path / "all")]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(offline.losses, every.losses))
+    with pytest.raises(RecipeError, match="data.drop_repeats=1 must be >= 2"):
+        eagle.main([*common, "data.drop_repeats=1", f"output_dir={tmp_path / 'bad'}"])
+
+
 def test_shards_get_the_mode_of_their_index(written):
     # both as a plain open() would write them (they used to be 0600, unreadable to a group sharing the store)
     modes = {p.name: p.stat().st_mode & 0o777 for p in written[0].iterdir()}

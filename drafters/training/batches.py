@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from drafters.targets import Target
-from drafters.training.data import Example, build_examples, collate
+from drafters.training.data import Example, build_examples, collate, repeat_mask
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import Optim
 
@@ -35,6 +35,12 @@ def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Exam
     train_rows = [e for e in examples if e.row in train_row_set]
     say(f"{len(train_rows)} training examples ({sum(map(num_tokens, train_rows))} tokens), "
         f"{len(held_out)} held out")
+    if data.drop_repeats is not None:
+        learnt = sum(sum(e.loss_mask) for e in train_rows)
+        dropped = learnt - sum(sum(repeat_mask(e.input_ids, e.loss_mask, data.drop_repeats)) for e in train_rows)
+        say(f"data.drop_repeats={data.drop_repeats}: {dropped} of the {learnt} answer tokens of the training rows "
+            f"({dropped / max(learnt, 1):.1%}) repeat an earlier {data.drop_repeats}-token span of their example "
+            "and are left out of the loss")
     return train_rows, held_out
 
 
@@ -85,7 +91,8 @@ class LengthBuckets:
 
 def train_loader(recipe, rows: list[Example], pad: int) -> DataLoader:
     sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
-    return DataLoader(rows, batch_sampler=sampler, collate_fn=partial(collate, pad_id=pad))
+    return DataLoader(rows, batch_sampler=sampler,
+                      collate_fn=partial(collate, pad_id=pad, drop_repeats=recipe.data.drop_repeats))
 
 
 def length_sorted_batches(rows: list[Example], batch_size: int) -> list[list[Example]]:

@@ -667,8 +667,26 @@ def build_examples(tokenizer, path_or_name: str, *, max_length: int, fmt: str = 
     return examples, report
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example: input_ids, attention_mask, loss_mask, each (B, T) long."""
+def repeat_mask(input_ids: list[int], loss_mask: list[int], n: int) -> list[int]:
+    """loss_mask with the learnt tokens that repeat the example's own answers dropped: token t (loss_mask[t] = 1,
+    t >= n-1) is dropped when the n tokens ending at it, ids[t-n+1 : t+1], already ended at an earlier learnt
+    token s < t of the same example (any of its answers; a span copied from the prompt is kept). A small target
+    loops in long answers (a third of the tokens it answers with past 128 continue an earlier span); these
+    tokens teach the drafter to copy, which prompt lookup does without training."""
+    seen, kept = set(), list(loss_mask)
+    for t in range(n - 1, len(input_ids)):
+        if not loss_mask[t]:
+            continue
+        span = tuple(input_ids[t - n + 1:t + 1])
+        if span in seen:
+            kept[t] = 0
+        seen.add(span)
+    return kept
+
+
+def collate(examples: list[Example], pad_id: int, drop_repeats: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: input_ids, attention_mask, loss_mask, each (B, T) long; drop_repeats=n
+    drops repeated n-token spans from loss_mask (repeat_mask: training batches of data.drop_repeats)."""
     length = max(len(example.input_ids) for example in examples)
     batch = {name: torch.zeros(len(examples), length, dtype=torch.long)
              for name in ("input_ids", "attention_mask", "loss_mask")}
@@ -677,5 +695,7 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         t = len(example.input_ids)
         batch["input_ids"][b, :t] = torch.tensor(example.input_ids)
         batch["attention_mask"][b, :t] = 1
-        batch["loss_mask"][b, :t] = torch.tensor(example.loss_mask)
+        loss_mask = example.loss_mask if drop_repeats is None else \
+            repeat_mask(example.input_ids, example.loss_mask, drop_repeats)
+        batch["loss_mask"][b, :t] = torch.tensor(loss_mask)
     return batch

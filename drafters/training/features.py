@@ -472,9 +472,9 @@ class OfflineRows(Dataset):
         return self.examples[i], self.store.features(self.stored[i])
 
 
-def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
+def collate_offline(items, pad_id: int, drop_repeats: int | None = None) -> dict[str, Tensor]:
     """drafters.training.data.collate plus each stored value (B, T, F), zero on padding, in the storage dtype."""
-    batch = collate([example for example, _ in items], pad_id)
+    batch = collate([example for example, _ in items], pad_id, drop_repeats)
     for key, first in items[0][1].items():
         padded = first.new_zeros(len(items), batch["input_ids"].shape[1], first.shape[-1])
         for b, (_, values) in enumerate(items):
@@ -486,7 +486,8 @@ def collate_offline(items, pad_id: int) -> dict[str, Tensor]:
 def offline_loader(recipe, store: FeatureStore, rows: list[Example], pad: int) -> DataLoader:
     """The same batches as drafters.training.batches.train_loader (same LengthBuckets), with stored features."""
     sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
-    return DataLoader(OfflineRows(rows, store), batch_sampler=sampler, collate_fn=partial(collate_offline, pad_id=pad))
+    return DataLoader(OfflineRows(rows, store), batch_sampler=sampler,
+                      collate_fn=partial(collate_offline, pad_id=pad, drop_repeats=recipe.data.drop_repeats))
 
 
 def offline_batches(store: FeatureStore, batches: list[list[Example]], pad: int) -> list[dict]:

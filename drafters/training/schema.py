@@ -33,9 +33,16 @@ class Data:
     # variables for the chat template, as a serving engine's chat_template_kwargs: the thinking switch of a model
     # that has one ({enable_thinking: true} for Qwen3 / DeepSeek-R1-style templates), so turns render as served
     chat_template_kwargs: dict | None = None
+    # training batches leave out of the loss each answer token that ends an n-token span already ended earlier in
+    # the example's answers (the target looping: drafters.training.data.repeat_mask); null = every answer token.
+    # Held-out metrics count every token either way
+    drop_repeats: int | None = None
 
     def problems(self) -> list[str]:
         found = []
+        if self.drop_repeats is not None and self.drop_repeats < 2:
+            found.append(f"data.drop_repeats={self.drop_repeats} must be >= 2 (a span of n tokens) or null (keep "
+                         "every answer token)")
         if self.max_length < 3:
             found.append(f"data.max_length={self.max_length} must be >= 3 (a label needs 2 tokens of context)")
         if self.train_rows is not None and self.train_rows < 1:
