@@ -211,6 +211,31 @@ def test_a_store_grows_with_its_data_and_equals_one_written_from_scratch(scripts
     FeatureStore.open(directory)  # and training reads it for the 20 rows
 
 
+def test_an_update_reads_each_kept_shard_once_and_computes_damaged_ones_again(scripts, tmp_path, monkeypatch):
+    # rows 17-20 appended to a store of rows 1-16 in shards of 4, whose shard 0 has one feature byte flipped (same
+    # size, still a shard) and shard 1 a damaged header (not a shard): both are computed again, shards 2 and 3 kept,
+    # and every shard kept or written is hashed once (the update's check and write_features' used to read each
+    # kept shard twice)
+    from drafters.training import features
+
+    directory, first, small = tmp_path / "store", tmp_path / "first.jsonl", "features.shard_rows=4"
+    first.write_text("".join(DATA.read_text().splitlines(keepends=True)[:16]))
+    scripts[0].main([RECIPE, f"data.path={first}", f"features.dir={directory}", small])
+    for name, at in (("shard-00000.safetensors", -7), ("shard-00001.safetensors", 20)):
+        damaged = bytearray((directory / name).read_bytes())
+        damaged[at] ^= 0xFF
+        (directory / name).write_bytes(bytes(damaged))
+    hashed, file_sha256 = [], features.file_sha256
+    monkeypatch.setattr(features, "file_sha256", lambda path: hashed.append(Path(path).name[-17:-12]) or
+                        file_sha256(path))
+    index = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={directory}", small, "features.update=true"])
+    # shard 0: its check, then its rewrite; shard 1 is not kept (unreadable); shards 2, 3 kept; shard 4 is new
+    assert sorted(hashed) == ["00000", "00000", "00001", "00002", "00003", "00004"]
+    monkeypatch.undo()
+    fresh = scripts[0].main([RECIPE, f"data.path={DATA}", f"features.dir={tmp_path / 'fresh'}", small])
+    assert index["shards"] == fresh["shards"]  # the bytes of the store written for the 20 rows at once
+
+
 def test_an_update_recomputes_only_changed_shards_and_drops_those_past_the_end(scripts, written, tmp_path):
     # row 10 edited (shard 1 holds rows 9-16) and rows 17-20 dropped: shard 0 kept, shard 1 computed, shard 2 removed
     directory, data = tmp_path / "store", tmp_path / "edited.jsonl"

@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -287,10 +287,10 @@ def _updatable_index(directory: Path, index: dict, header: dict, examples: list[
     for, computed from their tokens alone, so a shard whose rows, turns, tokens and loss masks equal what `examples`
     puts at its place holds exactly the features a fresh store would: it is kept (appended rows keep every full
     shard). With update=False nothing is touched and the refusal says how many shards would be kept (by size and
-    tokens: the checksums are read only when the update runs)."""
+    tokens). The checksums are read once, by write_features, which computes a kept shard with other bytes again."""
     per_shard = header["shard_rows"]
     kept = {name: entry for name, entry in index["shards"].items()
-            if shard_problem(directory, name, entry, checksum=update) is None
+            if shard_problem(directory, name, entry, checksum=False) is None
             and _holds(directory / name, examples[entry["first_row"]:entry["first_row"] + per_shard])}
     total = math.ceil(len(examples) / per_shard)
     if not update:
@@ -307,9 +307,13 @@ def _updatable_index(directory: Path, index: dict, header: dict, examples: list[
 
 
 def _holds(path: Path, rows: list[Example]) -> bool:
-    """Whether a shard file holds exactly `rows`: the same data rows and turns, tokens and loss masks, in order."""
-    return ([(key, ids, mask) for key, ids, mask, _ in stored_examples(path)]
-            == [(e.key, list(e.input_ids), list(e.loss_mask)) for e in rows])
+    """Whether a shard file holds exactly `rows`: the same data rows and turns, tokens and loss masks, in order.
+    A file that cannot be read as a shard (damaged) does not."""
+    try:
+        stored = [(key, ids, mask) for key, ids, mask, _ in stored_examples(path)]
+    except (SafetensorError, OSError, RuntimeError, ValueError):
+        return False
+    return stored == [(e.key, list(e.input_ids), list(e.loss_mask)) for e in rows]
 
 
 def stored_examples(path: Path) -> list[tuple[tuple[int, int], list[int], list[int], tuple[int, int]]]:
