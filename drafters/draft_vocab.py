@@ -155,8 +155,10 @@ def size_for_coverage(counts: Tensor, fraction: float) -> int:
 
 
 def build_draft_vocab(token_counts_or_examples: Tensor | Iterable[tuple], target_vocab_size: int,
-                      size: int = 32000) -> DraftVocab:
+                      size: int = 32000, keep: DraftVocab | None = None) -> DraftVocab:
     """Keep the N = min(size, V) most frequent loss-masked target ids (ties: lower id first).
+    keep: a vocabulary whose ids all stay (a checkpoint's, widened); the other N - keep.size ids are the most
+    frequent of the rest.
 
     If fewer than N distinct ids were seen, the vocabulary is filled up with the LOWEST unseen
     ids (all have count 0, so this is the same tie rule; SpecForge does the same). N is kept
@@ -172,7 +174,10 @@ def build_draft_vocab(token_counts_or_examples: Tensor | Iterable[tuple], target
     if size <= 0:
         raise DraftVocabError(f"draft vocab size must be positive, got {size}")
     n = min(size, target_vocab_size)
-    order = torch.argsort(-counts, stable=True)  # by count descending, ties by id ascending
+    if keep is not None and keep.size > n:
+        raise DraftVocabError(f"draft vocab of {n} ids cannot hold the {keep.size} ids it must keep")
+    rank = counts if keep is None else torch.where(keep.t2d.cpu(), counts.max() + 1, counts)  # kept ids first
+    order = torch.argsort(-rank, stable=True)  # by count descending, ties by id ascending
     seen = int((counts > 0).sum())
     if seen < n:
         logger.warning("draft vocab: only %d distinct loss-masked ids seen, %d lowest unseen "

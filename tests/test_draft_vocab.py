@@ -19,6 +19,15 @@ def test_top_n_ties_by_lower_id_sorted_ascending():
     assert vocab.d2t.tolist() == [1, 1, 1, 3]  # used[i] - i
 
 
+def test_a_kept_vocabulary_stays_whole_and_the_rest_are_the_most_frequent():
+    counts = torch.tensor([0, 3, 5, 3, 0, 3, 9, 0])
+    kept = DraftVocab.from_used(torch.tensor([0, 7]), 8)  # ids never counted: kept anyway (grow_vocab)
+    # 0 and 7 first, then 6 (9) and 2 (5), then the lowest of the three ids with count 3: 1
+    assert build_draft_vocab(counts, 8, size=5, keep=kept).used.tolist() == [0, 1, 2, 6, 7]
+    with pytest.raises(DraftVocabError, match="draft vocab of 1 ids cannot hold the 2 ids it must keep"):
+        build_draft_vocab(counts, 8, size=1, keep=kept)
+
+
 def test_fills_with_lowest_unseen_ids_to_exact_size():
     vocab = build_draft_vocab([([7, 7, 4], [1, 1, 1])], 10, size=5)
     assert vocab.size == 5 and int(vocab.t2d.sum()) == 5

@@ -14,6 +14,7 @@ from conftest import load_script  # tests/ is on sys.path under pytest
 from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
+from drafters.draft_vocab import DraftVocab
 from drafters.training.recipe import RecipeError
 from drafters.training.loop import NonFiniteLoss
 from drafters.training.resume import earlier_run_files
@@ -178,6 +179,37 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_and_vocabulary(un
     # without init_from the same recipe starts from a random drafter (another vocabulary size, other weights)
     train(tmp_path / "fresh", "optim.lr=1e-30", "max_steps=2", "draft_vocab_size=32")
     assert weights(tmp_path / "fresh")["d2t"].numel() == 32 != started["d2t"].numel()
+
+
+def test_grow_vocab_widens_a_checkpoints_draft_vocabulary_keeping_its_rows(uninterrupted, tmp_path):
+    # The tiny recipe's 64 draft ids grow to 96: every checkpoint id keeps its LM-head row (at its new position),
+    # the 32 new ids' rows start at zero, every other tensor is the checkpoint's. lr 1e-30: the final weights are
+    # the starting ones (see above)
+    start = uninterrupted / "checkpoint-4"
+    summary = train(tmp_path / "grown", f"init_from={start}", "grow_vocab=true", "draft_vocab_size=96",
+                    "optim.lr=1e-30", "max_steps=2")
+    assert summary.steps == 2
+    old, grown = load_checkpoint(start).state_dict, weights(tmp_path / "grown")
+    old_vocab, new_vocab = DraftVocab.from_state_dict(old), DraftVocab.from_state_dict(grown)
+    assert (old_vocab.size, new_vocab.size) == (64, 96)
+    assert bool(new_vocab.t2d[old_vocab.used].all())  # a superset
+    rows, _ = new_vocab.to_draft(old_vocab.used)
+    assert torch.equal(grown["lm_head.weight"][rows], old["lm_head.weight"])
+    added = ~old_vocab.t2d[new_vocab.used]  # (96,) rows of ids the checkpoint did not hold
+    assert int(added.sum()) == 32
+    assert float(grown["lm_head.weight"][added].abs().max()) < 1e-20  # lr 1e-30 does move a zero, by ~1e-30
+    assert all(torch.equal(grown[k], old[k]) for k in old if k not in ("lm_head.weight", "d2t", "t2d"))
+
+
+def test_grow_vocab_refuses_what_cannot_grow(uninterrupted, tmp_path):
+    start = uninterrupted / "checkpoint-final"
+    with pytest.raises(RecipeError, match="grow_vocab=true widens the draft vocabulary of init_from's checkpoint: "
+                                          "set init_from"):
+        train(tmp_path / "a", "grow_vocab=true")
+    with pytest.raises(RecipeError, match="grow_vocab: draft_vocab_size=64 makes a vocabulary of 64 ids on this "
+                                          "data, but init_from's already holds 64: set draft_vocab_size above 64"):
+        train(tmp_path / "b", f"init_from={start}", "grow_vocab=true")
+    assert not any(earlier_run_files(tmp_path / name) for name in "ab")
 
 
 def test_init_from_what_cannot_start_this_run_is_refused_before_any_work(uninterrupted, tmp_path):

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
-from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
+from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, size_for_coverage
 from drafters.eagle1 import FrozenHead
 from drafters.eagle3 import (
     NORM_OPTIONS,
@@ -115,9 +115,11 @@ def eagle3_layer_spec(recipe: FeatureRecipe, target: Target) -> dict:
             "label_hidden": "hidden_states[L], final-normed: soft labels = frozen head at supervised rows"}
 
 
-def choose_draft_vocab(recipe: DraftVocabRecipe, target: Target, train_rows, say) -> DraftVocab:
+def choose_draft_vocab(recipe: DraftVocabRecipe, target: Target, train_rows, say,
+                       keep: DraftVocab | None = None) -> DraftVocab:
     """The draft vocabulary (EAGLE-3, DFlash): the draft_vocab_size (or draft_vocab_coverage) most frequent
-    supervised token ids of the TRAIN rows (docs/conventions.md), with a printed line on its coverage."""
+    supervised token ids of the TRAIN rows (docs/conventions.md), with a printed line on its coverage. keep:
+    init_from's vocabulary under grow_vocab, which the new one must hold and exceed."""
     counts = count_tokens([(e.input_ids, e.loss_mask) for e in train_rows], target.vocab_size)
     if recipe.draft_vocab_coverage is not None:
         size = size_for_coverage(counts, recipe.draft_vocab_coverage)
@@ -126,10 +128,18 @@ def choose_draft_vocab(recipe: DraftVocabRecipe, target: Target, train_rows, say
         if recipe.draft_vocab_size > target.vocab_size:
             say(f"eagle: draft_vocab_size={recipe.draft_vocab_size} is larger than the target's vocabulary "
                 f"({target.vocab_size}): using {target.vocab_size}")
-    vocab = build_draft_vocab(counts, target.vocab_size, size)
-    say(f"eagle: draft vocab {size} of {target.vocab_size} ids covers {coverage(counts, size):.2%} of the "
+    if keep is not None and size <= keep.size:
+        wanted = f"draft_vocab_coverage={recipe.draft_vocab_coverage}" if recipe.draft_vocab_coverage is not None \
+            else f"draft_vocab_size={recipe.draft_vocab_size}"
+        raise RecipeError(f"grow_vocab: {wanted} makes a vocabulary of {size} ids on this data, but init_from's "
+                          f"already holds {keep.size}: set draft_vocab_size above {keep.size} (with "
+                          "draft_vocab_coverage=null), or drop grow_vocab to keep the checkpoint's")
+    vocab = build_draft_vocab(counts, target.vocab_size, size, keep=keep)
+    share = float(counts[vocab.used].sum() / counts.sum().clamp(min=1))  # = coverage(counts, size) without keep
+    say(f"eagle: draft vocab {size} of {target.vocab_size} ids covers {share:.2%} of the "
         f"{int(counts.sum())} supervised training tokens ({int((counts > 0).sum())} distinct ids seen)"
-        + (f"; draft_vocab_coverage={recipe.draft_vocab_coverage}" if recipe.draft_vocab_coverage else ""))
+        + (f"; draft_vocab_coverage={recipe.draft_vocab_coverage}" if recipe.draft_vocab_coverage else "")
+        + (f"; grow_vocab: holds init_from's {keep.size} ids" if keep is not None else ""))
     return vocab
 
 

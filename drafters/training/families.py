@@ -169,12 +169,14 @@ def train(recipe, tag: str | None = None) -> Summary:
         say(store.summary())
     family.check_rows(recipe, train_rows)
     start = initial_checkpoint(recipe, target)  # init_from: refused here, before any work, when it cannot start this run
-    vocab = None if not family.draft_vocab else \
-        choose_draft_vocab(recipe, target, train_rows, say) if start is None else initial_vocab(start)
+    grow_vocab = getattr(recipe, "grow_vocab", False)
+    vocab = None if not family.draft_vocab else choose_draft_vocab(recipe, target, train_rows, say) \
+        if start is None else choose_draft_vocab(recipe, target, train_rows, say, keep=initial_vocab(start)) \
+        if grow_vocab else initial_vocab(start)
     set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
     objective = family.build(recipe, target, train_rows, vocab, say)
-    if start is not None:
-        load_initial_weights(objective.drafter, start, say)  # (a resumed run then loads its own on top)
+    if start is not None:  # (a resumed run then loads its own on top)
+        load_initial_weights(objective.drafter, start, say, grow_vocab=grow_vocab)
     pad = pad_id(target)
     loader = train_loader(recipe, train_rows, pad) if store is None else offline_loader(recipe, store, train_rows, pad)
     eval_batches = length_sorted_batches(held_out, recipe.batch_size)

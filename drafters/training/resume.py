@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from drafters.checkpoint import (
     CheckpointError,
     check_target,
@@ -284,19 +286,56 @@ def initial_vocab(ckpt):
     return DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path))
 
 
-def load_initial_weights(drafter, ckpt, say) -> None:
+def load_initial_weights(drafter, ckpt, say, grow_vocab: bool = False) -> None:
     """init_from: the freshly built `drafter` takes the checkpoint's weights. Its architecture comes from the
-    recipe, so every config field must equal the checkpoint's; the refusal names each one."""
+    recipe, so every config field must equal the checkpoint's (but draft_vocab_size under grow_vocab); the
+    refusal names each one."""
     built = json.loads(json.dumps(asdict(drafter.config)))  # tuples -> lists, as drafter.json stores them
+    free = {"draft_vocab_size"} if grow_vocab else set()
     wrong = [f"{key}: recipe builds {built.get(key)!r}, checkpoint has {ckpt.config.get(key)!r}"
-             for key in sorted(set(built) | set(ckpt.config)) if built.get(key) != ckpt.config.get(key)]
+             for key in sorted((set(built) | set(ckpt.config)) - free) if built.get(key) != ckpt.config.get(key)]
     if wrong:
         raise RecipeError(f"init_from={ckpt.path}: this recipe builds another drafter than the checkpoint holds:\n  "
                           + "\n  ".join(wrong) + "\nset the recipe's fields that build these (layers, norms, sizes) "
                           "to the checkpoint's values (its drafter.json, extra.recipe)")
-    drafter.load_state_dict(ckpt.state_dict, strict=True)
-    say(f"init_from: the drafter starts from {ckpt.path} (step {ckpt.extra.get('step', '?')} of its run); optimizer, "
-        "schedule and step start fresh")
+    state = widened_state(ckpt, drafter) if grow_vocab else ckpt.state_dict
+    drafter.load_state_dict(state, strict=True)
+    grown = f"; its {initial_vocab(ckpt).size} draft ids' head rows sit in a vocabulary of " \
+        f"{drafter.state_dict()['d2t'].numel()}, the new ids' rows start at zero" if grow_vocab else ""
+    say(f"init_from: the drafter starts from {ckpt.path} (step {ckpt.extra.get('step', '?')} of its run){grown}; "
+        "optimizer, schedule and step start fresh")
+
+
+def widened_state(ckpt, drafter) -> dict:
+    """grow_vocab: init_from's weights for a drafter whose draft vocabulary holds the checkpoint's ids and more
+    (drafters.training.eagle3.choose_draft_vocab's keep). A tensor with one row per draft id (the LM head,
+    (Vd_old, h)) becomes (Vd_new, h): the checkpoint's row of target id t moves to t's row in the new vocabulary,
+    the rows of new ids are zero. So a new id's logit starts at 0 and the grown drafter drafts what the checkpoint
+    drafted wherever its best logit is above 0; the target LM head's rows instead (a fresh run's start) outscore
+    the trained rows, whose hidden space has drifted from the target's: SmolLM2-135M's first-draft accuracy fell
+    from 0.66 to 0.02 at the first steps. d2t / t2d are the new vocabulary's; every other tensor is the
+    checkpoint's, of the same shape."""
+    own = drafter.state_dict()
+    old, new = initial_vocab(ckpt), DraftVocab.from_state_dict(own, source="the grown drafter")
+    rows, inside = new.to_draft(old.used.to(new.t2d.device))  # (Vd_old,) new draft row of each old id
+    if not bool(inside.all()):
+        raise RecipeError(f"init_from={ckpt.path}: grow_vocab built a vocabulary without all of the checkpoint's ids")
+    state = {}
+    for key, mine in own.items():
+        theirs = ckpt.state_dict.get(key)
+        if key in ("d2t", "t2d"):
+            state[key] = mine
+        elif theirs is None:
+            raise RecipeError(f"init_from={ckpt.path}: the checkpoint has no {key!r} tensor")
+        elif theirs.shape == mine.shape:
+            state[key] = theirs
+        elif theirs.shape[1:] == mine.shape[1:] and (theirs.shape[0], mine.shape[0]) == (old.size, new.size):
+            state[key] = torch.zeros_like(mine)
+            state[key][rows.to(mine.device)] = theirs.to(mine.dtype)
+        else:
+            raise RecipeError(f"init_from={ckpt.path}: {key} is {tuple(theirs.shape)} in the checkpoint and "
+                              f"{tuple(mine.shape)} in the grown drafter, not one row per draft id")
+    return state
 
 
 def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Position, int]:

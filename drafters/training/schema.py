@@ -170,9 +170,17 @@ class DraftVocabRecipe(FeatureRecipe):
     # set (0 < c <= 1): draft_vocab_size = the smallest vocabulary whose ids cover this fraction of the
     # supervised training tokens (drafters.draft_vocab.size_for_coverage); the coverage is printed either way
     draft_vocab_coverage: float | None = None
+    # with init_from: true = this run's vocabulary is counted on its own data as the two fields above say, always
+    # holding the checkpoint's ids; their LM-head rows carry over, the new ids' rows start at zero
+    # (drafters.training.resume.widened_state). false = the checkpoint's vocabulary is kept as it is.
+    grow_vocab: bool = False
 
     def problems(self) -> list[str]:
         found = super().problems()
+        if self.grow_vocab and self.init_from is None:
+            found.append("grow_vocab=true widens the draft vocabulary of init_from's checkpoint: set init_from, or "
+                         "drop grow_vocab (a fresh run counts its vocabulary from draft_vocab_size / "
+                         "draft_vocab_coverage anyway)")
         if self.draft_vocab_size < 1:
             found.append(f"draft_vocab_size={self.draft_vocab_size} must be >= 1")
         if self.draft_vocab_coverage is not None and not 0 < self.draft_vocab_coverage <= 1:
