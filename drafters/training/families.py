@@ -169,10 +169,12 @@ def train(recipe, tag: str | None = None) -> Summary:
         say(store.summary())
     family.check_rows(recipe, train_rows)
     start = initial_checkpoint(recipe, target)  # init_from: refused here, before any work, when it cannot start this run
-    grow_vocab = getattr(recipe, "grow_vocab", False)
-    vocab = None if not family.draft_vocab else choose_draft_vocab(recipe, target, train_rows, say) \
-        if start is None else choose_draft_vocab(recipe, target, train_rows, say, keep=initial_vocab(start)) \
-        if grow_vocab else initial_vocab(start)
+    grow_vocab = getattr(recipe, "grow_vocab", False)  # only the families with a reduced draft vocabulary have it
+    vocab = None
+    if family.draft_vocab:  # init_from's vocabulary as it is, or (grow_vocab, or a fresh run) counted on this data
+        kept = initial_vocab(start) if start is not None else None
+        vocab = kept if kept is not None and not grow_vocab else \
+            choose_draft_vocab(recipe, target, train_rows, say, keep=kept)
     set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
     objective = family.build(recipe, target, train_rows, vocab, say)
     if start is not None:  # (a resumed run then loads its own on top)
