@@ -136,12 +136,12 @@ def count_tokens(examples: Iterable[tuple], target_vocab_size: int) -> Tensor:
     return counts
 
 
-def coverage(counts: Tensor, size: int) -> float:
-    """The fraction of the counted (loss-masked) tokens whose id is among the `size` most frequent:
-    how often the target's next token is one the drafter can propose at all (an upper bound on its
-    first-step acceptance). counts (V,) from count_tokens."""
+def coverage(counts: Tensor, vocab: "DraftVocab") -> float:
+    """The fraction of the counted (loss-masked) tokens whose id the vocabulary holds: how often the target's
+    next token is one the drafter can propose at all (an upper bound on its first-step acceptance). counts (V,)
+    from count_tokens."""
     total = int(counts.sum())
-    return int(torch.sort(counts, descending=True).values[:size].sum()) / total if total else 0.0
+    return int(counts[vocab.used.to(counts.device)].sum()) / total if total else 0.0
 
 
 def size_for_coverage(counts: Tensor, fraction: float) -> int:

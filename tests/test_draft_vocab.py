@@ -86,9 +86,10 @@ def test_coverage_and_the_size_that_reaches_it():
     from drafters.draft_vocab import coverage, size_for_coverage
 
     counts = torch.tensor([0, 50, 0, 30, 10, 5, 5, 0])  # 100 supervised tokens over 5 distinct ids
-    assert [coverage(counts, n) for n in (1, 2, 3, 5, 8)] == [0.5, 0.8, 0.9, 1.0, 1.0]
+    assert [coverage(counts, build_draft_vocab(counts, 8, n)) for n in (1, 2, 3, 5, 8)] == [0.5, 0.8, 0.9, 1.0, 1.0]
+    assert coverage(counts, DraftVocab.from_used(torch.tensor([0, 2, 4]), 8)) == 0.1  # any ids: only id 4 is counted
     assert [size_for_coverage(counts, f) for f in (0.5, 0.51, 0.8, 0.9, 0.91, 1.0)] == [1, 2, 2, 3, 4, 5]
-    assert coverage(torch.zeros(4, dtype=torch.long), 2) == 0.0
+    assert coverage(torch.zeros(4, dtype=torch.long), DraftVocab.from_used(torch.tensor([0, 1]), 4)) == 0.0
     with pytest.raises(DraftVocabError, match=r"coverage 0 must be in \(0, 1\]"):
         size_for_coverage(counts, 0)
 

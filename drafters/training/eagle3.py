@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
-from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, size_for_coverage
+from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
 from drafters.eagle1 import FrozenHead
 from drafters.eagle3 import (
     NORM_OPTIONS,
@@ -135,8 +135,7 @@ def choose_draft_vocab(recipe: DraftVocabRecipe, target: Target, train_rows, say
                           f"already holds {keep.size}: set draft_vocab_size above {keep.size} (with "
                           "draft_vocab_coverage=null), or drop grow_vocab to keep the checkpoint's")
     vocab = build_draft_vocab(counts, target.vocab_size, size, keep=keep)
-    share = float(counts[vocab.used].sum() / counts.sum().clamp(min=1))  # = coverage(counts, size) without keep
-    say(f"eagle: draft vocab {size} of {target.vocab_size} ids covers {share:.2%} of the "
+    say(f"eagle: draft vocab {size} of {target.vocab_size} ids covers {coverage(counts, vocab):.2%} of the "
         f"{int(counts.sum())} supervised training tokens ({int((counts > 0).sum())} distinct ids seen)"
         + (f"; draft_vocab_coverage={recipe.draft_vocab_coverage}" if recipe.draft_vocab_coverage else "")
         + (f"; grow_vocab: holds init_from's {keep.size} ids" if keep is not None else ""))
