@@ -300,8 +300,8 @@ def load_initial_weights(drafter, ckpt, say, grow_vocab: bool = False) -> None:
                           "to the checkpoint's values (its drafter.json, extra.recipe)")
     state = widened_state(ckpt, drafter) if grow_vocab else ckpt.state_dict
     drafter.load_state_dict(state, strict=True)
-    grown = f"; its {initial_vocab(ckpt).size} draft ids' head rows sit in a vocabulary of " \
-        f"{drafter.state_dict()['d2t'].numel()}, the new ids' rows start at zero" if grow_vocab else ""
+    grown = f"; its {ckpt.state_dict['d2t'].numel()} draft ids' head rows sit in a vocabulary of " \
+        f"{state['d2t'].numel()}, the new ids' rows start at zero" if grow_vocab else ""
     say(f"init_from: the drafter starts from {ckpt.path} (step {ckpt.extra.get('step', '?')} of its run){grown}; "
         "optimizer, schedule and step start fresh")
 
@@ -313,8 +313,8 @@ def widened_state(ckpt, drafter) -> dict:
     the rows of new ids are zero. So a new id's logit starts at 0 and the grown drafter drafts what the checkpoint
     drafted wherever its best logit is above 0; the target LM head's rows instead (a fresh run's start) outscore
     the trained rows, whose hidden space has drifted from the target's (a SmolLM2-135M drafter's first-draft
-    training accuracy: 0.02 over the first 10 steps, against 0.72 at its own vocabulary). d2t / t2d are the new vocabulary's; every other tensor is the
-    checkpoint's, of the same shape."""
+    training accuracy: 0.02 over the first 10 steps, against 0.72 at its own vocabulary). d2t / t2d are the new
+    vocabulary's; every other tensor is the checkpoint's, of the same shape."""
     own = drafter.state_dict()
     old, new = initial_vocab(ckpt), DraftVocab.from_state_dict(own, source="the grown drafter")
     rows, inside = new.to_draft(old.used.to(new.t2d.device))  # (Vd_old,) new draft row of each old id
