@@ -1,11 +1,13 @@
-"""EAGLE-3 drafter: fused target features -> one decoder layer -> reduced-vocabulary logits,
+"""EAGLE-3 drafter: fused target features -> one decoder layer (or a stack of them) -> reduced-vocabulary logits,
 trained with the training-time test (TTT) unroll, drafted step by step with its own KV cache.
 
 Knows nothing about the target model, datasets or decoding trees: callers hand it the fused
 target features, the target's frozen token embedding module (`embed`, never a parameter of the
 drafter), the target logits that serve as labels, and for tree drafting a 4D mask and positions.
 Module names are those of SGLang / the official EAGLE-3 checkpoints (`fc`, `midlayer.*`, `norm`,
-`lm_head`, `d2t`, `t2d`), so export is a rename at most.
+`lm_head`, `d2t`, `t2d`), so export is a rename at most. A deeper drafter (num_hidden_layers > 1, as vLLM's
+llama_eagle3 builds it) adds plain Llama decoder layers `layers.1`, `layers.2`, ... over the first one's output:
+only the first reads cat(embed, hidden); the others read the hidden stream alone.
 
 Alignment (docs/conventions.md): the drafter at position t sees feature_t and token_{t+1} and predicts
 token_{t+2}. Its label is the target's row t+1 (the target's logits at t+1 predict token t+2).
@@ -41,6 +43,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # the target's rope parameters other than rope_theta
     hidden_act: str = "silu"
+    num_hidden_layers: int = 1  # decoder layers: midlayer, then layers.1 .. layers.{n-1} (vLLM's multi-layer EAGLE-3)
     # Optional norms, named and placed as speculators / vLLM do (docs/conventions.md "EAGLE-3 norm options"):
     # norm_before_fc: one RMSNorm over the fused n*h features before fc (weight input_norm, n*h; llama.cpp runs it)
     # fc_norm: EAGLE-3.1, an RMSNorm per aux layer (fc_norm.i, h each) before concatenation (not in llama.cpp)
@@ -50,22 +53,26 @@ class Eagle3Config:
     norm_before_residual: bool = False
 
     def __post_init__(self):
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: an EAGLE-3 drafter has at least one layer")
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are two ways to norm the fused features before fc: "
                              "set one of them")
 
     @classmethod
-    def from_target_config(cls, config, draft_vocab_size: int, layers=None, **norms) -> "Eagle3Config":
+    def from_target_config(cls, config, draft_vocab_size: int, layers=None, num_layers: int = 1,
+                           **norms) -> "Eagle3Config":
         cfg = config.get_text_config()
-        num_layers = cfg.num_hidden_layers
-        layers = default_eagle3_layers(num_layers) if layers is None else list(layers)
-        if len(set(layers)) != len(layers) or not all(0 <= i <= num_layers for i in layers):
+        target_layers = cfg.num_hidden_layers
+        layers = default_eagle3_layers(target_layers) if layers is None else list(layers)
+        if len(set(layers)) != len(layers) or not all(0 <= i <= target_layers for i in layers):
             raise ValueError(f"EAGLE-3 aux layers {layers}: want distinct HF hidden_states indices "
-                             f"in [0, {num_layers}] for this {num_layers}-layer target")
+                             f"in [0, {target_layers}] for this {target_layers}-layer target")
         if not 0 < draft_vocab_size <= cfg.vocab_size:
             raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, target vocab "
                              f"{cfg.vocab_size}]")
-        return cls(**target_layer_fields(config), draft_vocab_size=draft_vocab_size, aux_layers=layers, **norms)
+        return cls(**target_layer_fields(config), draft_vocab_size=draft_vocab_size, aux_layers=layers,
+                   num_hidden_layers=num_layers, **norms)
 
 
 def fuse_features(hidden_states, layers) -> Tensor:
@@ -95,6 +102,35 @@ class Eagle3DecoderLayer(nn.Module):
         hidden = residual + self.self_attn.attend(q, keys, values, mask)
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, (k, v)
+
+
+class Eagle3DeeperLayer(nn.Module):
+    """Layer i >= 1 of a deeper drafter: a plain pre-norm Llama decoder layer on the hidden stream (vLLM's
+    llama_eagle3 for layer_idx > 0): h = h + attn(input_layernorm(h)); h = h + mlp(post_attention_layernorm(h)).
+    Same positions and mask as the first layer, its own keys and values."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.self_attn = DraftAttention(c, c.hidden_size)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mlp = LlamaMLP(llama_config(c))
+
+    def forward(self, hidden, cos, sin, past, mask):
+        q, k, v = self.self_attn.project(self.input_layernorm(hidden), cos, sin)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2),
+                                                    torch.cat([past[1], v], 2))
+        hidden = hidden + self.self_attn.attend(q, keys, values, mask)
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, (k, v)
+
+    @torch.no_grad()
+    def start_as_identity(self) -> None:
+        """o_proj = down_proj = 0: both residual branches add zero, so the layer passes its input through unchanged
+        (and gradients still reach o_proj / down_proj, then the rest): how grow_layers stacks a layer on a trained
+        drafter without changing what it drafts."""
+        self.self_attn.o_proj.weight.zero_()
+        self.mlp.down_proj.weight.zero_()
 
 
 # ---- training-time test: which inputs, labels and keys step i uses --------------------------
@@ -142,6 +178,8 @@ class Eagle3Drafter(nn.Module):
         if c.fc_norm:
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps) for _ in c.aux_layers)
         self.midlayer = Eagle3DecoderLayer(c)
+        if c.num_hidden_layers > 1:  # named as vLLM loads them: midlayer is its layers.0
+            self.layers = nn.ModuleDict({str(i): Eagle3DeeperLayer(c) for i in range(1, c.num_hidden_layers)})
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = FusedLinearHead(c.hidden_size, c.draft_vocab_size)  # (Vd, h); also the fused loss
         self.rotary_emb = LlamaRotaryEmbedding(llama_config(c))  # buffers not saved
@@ -209,8 +247,21 @@ class Eagle3Drafter(nn.Module):
             return embed(input_ids)  # (B, T) -> (B, T, h)
 
     def backbone(self, embeds, hidden, positions, past, mask):
+        """-> (the last layer's output hidden (B, T, h), new (keys, values)). A deeper drafter's keys and values
+        are its layers' stacked along the head axis, (B, n * Hkv, T, D), layer l's heads at [l * Hkv, (l+1) * Hkv):
+        one cache (DraftKVCache) and one TTT key list hold them all, cropped and reordered along positions as one."""
         cos, sin = self.rotary_emb(hidden, positions)  # positions (B or 1, T)
-        return self.midlayer(embeds, hidden, cos, sin, past, mask)
+        if self.config.num_hidden_layers == 1:
+            return self.midlayer(embeds, hidden, cos, sin, past, mask)
+        n = self.config.num_hidden_layers
+        pasts = [None] * n if past is None else list(zip(past[0].chunk(n, 1), past[1].chunk(n, 1)))
+        hidden, (k, v) = self.midlayer(embeds, hidden, cos, sin, pasts[0], mask)
+        keys, values = [k], [v]
+        for layer, layer_past in zip(self.layers.values(), pasts[1:]):
+            hidden, (k, v) = layer(hidden, cos, sin, layer_past, mask)
+            keys.append(k)
+            values.append(v)
+        return hidden, (torch.cat(keys, 1), torch.cat(values, 1))
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))  # (B, T, h) -> (B, T, Vd)

@@ -174,9 +174,10 @@ def ttt_attention(q: Tensor, keys: Tensor, values: Tensor, step: int) -> Tensor:
 
 @dataclass
 class DraftKVCache:
-    """KV cache of a drafter's single decoder layer. A slot is an index into it; keys carry RoPE of the
-    position they were computed at (slot == position along a chain, not inside a tree)."""
-    keys: Tensor | None = None  # (B, Hkv, S, D)
+    """KV cache of a drafter's decoder layer. A slot is an index into it; keys carry RoPE of the
+    position they were computed at (slot == position along a chain, not inside a tree). A deeper EAGLE-3
+    drafter's layers share one cache, stacked along the head axis (drafters.eagle3.Eagle3Drafter.backbone)."""
+    keys: Tensor | None = None  # (B, Hkv, S, D); a deeper drafter's n layers: (B, n * Hkv, S, D)
     values: Tensor | None = None  # (B, Hkv, S, D)
 
     def __len__(self) -> int:

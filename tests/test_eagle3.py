@@ -1,6 +1,8 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import drafters.layers as layers
 from drafters.draft_vocab import build_draft_vocab
@@ -444,3 +446,74 @@ def test_norm_options_compute_what_speculators_names_them(tiny_llama):
         assert not torch.allclose(plain.backbone(e, x, pos, None, mask)[0], normed.backbone(e, x, pos, None, mask)[0])
     with pytest.raises(ValueError, match="set one of them"):
         Eagle3Config.from_target_config(model.config, 64, norm_before_fc=True, fc_norm=True)
+
+
+def deeper_drafter(model, input_ids, loss_mask, num_layers=3):
+    """A drafter of num_layers decoder layers whose deeper layers hold random (not identity) weights."""
+    config = Eagle3Config.from_target_config(model.config, 64, num_layers=num_layers)
+    vocab = build_draft_vocab([(input_ids, loss_mask)], config.vocab_size, 64)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, vocab)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.startswith("layers.") and "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return drafter
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_gemma3"])
+def test_a_deeper_drafter_keeps_ttt_equal_to_step_by_step_decoding(request, model_name):
+    # three layers: their keys ride in one cache, stacked along the head axis; a layer reading another's heads, or
+    # a step seeing the wrong keys of a deeper layer, changes the logits
+    model, tokenizer = request.getfixturevalue(model_name)
+    layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, layers)
+    drafter, embed = deeper_drafter(model, input_ids, loss_mask), model.get_input_embeddings()
+    assert sorted(k for k in drafter.state_dict() if k.startswith("layers.") and k.endswith("o_proj.weight")) == \
+        ["layers.1.self_attn.o_proj.weight", "layers.2.self_attn.o_proj.weight"]
+    with torch.no_grad():
+        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS, return_logits=True)
+        for t in (0, 3, input_ids.shape[1] - 1 - STEPS):
+            reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
+            for i in range(STEPS):
+                torch.testing.assert_close(out.step_logits[i][:, t], reference[i], atol=1e-5, rtol=0)
+
+
+def test_a_deeper_layer_computes_a_llama_decoder_layer_on_the_hidden_stream(tiny_llama):
+    # layer 1 by hand: pre-norm attention over its own keys (causal), then the pre-norm MLP, both residual
+    model, tokenizer = tiny_llama
+    layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
+    features, input_ids, _, loss_mask = target_inputs(model, tokenizer, layers)
+    drafter, embed = deeper_drafter(model, input_ids, loss_mask, num_layers=2), model.get_input_embeddings()
+    c, deeper = drafter.config, drafter.layers["1"]
+    with torch.no_grad():
+        embeds, hidden = embed(input_ids[:, 1:]), drafter.project_hidden_states(features[:, :-1])
+        T = hidden.shape[1]
+        positions = torch.arange(T)[None]
+        cos, sin = drafter.rotary_emb(hidden, positions)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        first, _ = drafter.midlayer(embeds, hidden, cos, sin, None, causal)
+        x = rms(first, deeper.input_layernorm.weight, c.rms_norm_eps)
+        q = (x @ deeper.self_attn.q_proj.weight.T).view(2, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = (x @ deeper.self_attn.k_proj.weight.T).view(2, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = (x @ deeper.self_attn.v_proj.weight.T).view(2, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = (q @ k.transpose(-1, -2)) / c.head_dim ** 0.5
+        scores = scores.masked_fill(~causal, float("-inf"))
+        attn = (scores.softmax(-1) @ v).transpose(1, 2).flatten(2) @ deeper.self_attn.o_proj.weight.T
+        h = first + attn
+        m = rms(h, deeper.post_attention_layernorm.weight, c.rms_norm_eps)
+        mlp = deeper.mlp
+        h = h + (F.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        out, _ = drafter.prefill(features[:, :-1], input_ids[:, 1:], embed, DraftKVCache())
+        torch.testing.assert_close(out, h, atol=1e-5, rtol=1e-5)
+        deeper.start_as_identity()
+        out, _ = drafter.prefill(features[:, :-1], input_ids[:, 1:], embed, DraftKVCache())
+        torch.testing.assert_close(out, first, atol=0, rtol=0)
+
+
+def test_a_drafter_without_layers_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="num_hidden_layers=0"):
+        Eagle3Config.from_target_config(tiny_llama[0].config, 64, num_layers=0)

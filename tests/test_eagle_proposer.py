@@ -31,10 +31,10 @@ GREEDY = SamplingConfig()
 
 
 
-def train_drafter(target, sequences, steps=100) -> Eagle3Drafter:
+def train_drafter(target, sequences, steps=100, num_layers=1) -> Eagle3Drafter:
     loss_mask = torch.zeros_like(sequences)
     loss_mask[:, PROMPT:] = 1
-    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=32)
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size=32, num_layers=num_layers)
     vocab = build_draft_vocab([(sequences, loss_mask)], VOCAB, 32)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config, vocab)
@@ -51,15 +51,17 @@ def train_drafter(target, sequences, steps=100) -> Eagle3Drafter:
     return drafter.eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+# llama-deep: a drafter of two decoder layers (their keys share one cache along the head axis: the tree mask, the
+# cache's reordering after a round and its crop must hold for both)
+@pytest.fixture(scope="module", params=["llama", "gemma3", "llama-deep"])
 def setup(request, tmp_path_factory):
-    if request.param == "llama":
+    if request.param.startswith("llama"):
         target = untied_llama()
     else:
         target = Target(*request.getfixturevalue("tiny_gemma3"), "tiny-random-gemma3")
     prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
     references = greedy_reference(target.model, prompts, 40)  # (6, PROMPT + 40)
-    drafter = train_drafter(target, references)
+    drafter = train_drafter(target, references, num_layers=2 if request.param == "llama-deep" else 1)
     path = tmp_path_factory.mktemp("ckpt") / request.param
     save_checkpoint(path, family="eagle3", config=asdict(drafter.config), target=target_info(target),
                     state_dict=drafter.state_dict(), extra={"step": 100})

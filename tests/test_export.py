@@ -378,3 +378,45 @@ def test_norm_options_travel_in_the_vllm_layout_and_are_refused_in_sglang(tmp_pa
     with pytest.raises(ExportError, match="the sglang layout is written without norm options; export it with "
                                           "--format vllm"):
         export_checkpoint(ckpt, "sglang", tmp_path / "sglang", target=target)
+
+
+def test_a_deeper_drafter_travels_in_the_vllm_layout_only(tmp_path, target):
+    """Three decoder layers: the vllm layout writes num_hidden_layers 3 and layers.0 .. layers.2 (vLLM's llama_eagle3
+    builds that many, all but the first reading the hidden stream alone); the independent reader rebuilds the drafter
+    from the files and its draft logits equal the source's; decoding from the export proposes the checkpoint's trees.
+    SGLang and llama.cpp build one layer: refused, each in one sentence."""
+    from drafters.decode.decoder import speculative_generate
+    from drafters.decode.proposers.loading import load_proposer
+    from drafters.decode.tree import parse_tree_spec
+    from drafters.export.llama_cpp import refusals
+
+    config = Eagle3Config.from_target_config(target.config, 32, num_layers=3)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():  # norms off 1.0: a deeper layer's norm dropped or swapped on the way changes the logits
+        for name, param in drafter.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    ckpt = save_checkpoint(tmp_path / "ckpt", family="eagle3", config=asdict(config), target=target_info(target),
+                           state_dict=drafter.state_dict())
+    result = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", target=target)
+    assert read_config(tmp_path / "vllm")["transformer_layer_config"]["num_hidden_layers"] == 3
+    names = load_file(tmp_path / "vllm" / "model.safetensors")
+    assert {k.split(".")[1] for k in names if k.startswith("layers.")} == {"0", "1", "2"}
+    assert names["layers.1.self_attn.q_proj.weight"].shape[1] == target.config.hidden_size  # the hidden stream only
+    assert result.check.max_logit_diff <= 1e-5
+    tree, prompt, runs = parse_tree_spec("dynamic:total=8,depth=3,topk=2"), torch.tensor([5, 17, 99, 42, 7]), []
+    for source in (ckpt, tmp_path / "vllm"):
+        proposer = load_proposer(str(source), target, tree)
+        assert proposer.drafter.config.num_hidden_layers == 3
+        trees, propose = [], proposer.propose
+        proposer.propose = lambda *a: trees.append(propose(*a)) or trees[-1]
+        out, _ = speculative_generate(target.model, proposer, prompt, max_new_tokens=12, eos_token_ids=set())
+        runs.append((out.tolist(), [t.tokens.tolist() for t in trees]))
+    assert runs[0] == runs[1]
+    with pytest.raises(ExportError, match="3 decoder layers: SGLang's LlamaForCausalLMEagle3 builds one; export "
+                                          "with --format vllm"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "sglang", target=target)
+    assert refusals("eagle3", asdict(config), target) == [
+        "3 decoder layers: llama.cpp's EAGLE-3 graph runs exactly one; serve this drafter with vLLM (export --format "
+        "vllm), or train num_layers=1"]

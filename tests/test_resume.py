@@ -212,6 +212,63 @@ def test_grow_vocab_refuses_what_cannot_grow(uninterrupted, tmp_path):
     assert not any(earlier_run_files(tmp_path / name) for name in "ab")
 
 
+def draft_logits(path, seed=0):
+    """The checkpoint's drafter on fixed random fused features and ids: prefill, then one step on its own output."""
+    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from drafters.layers import DraftKVCache
+
+    ckpt = load_checkpoint(path)
+    config = Eagle3Config(**ckpt.config)
+    drafter = Eagle3Drafter(config)
+    drafter.load_state_dict(ckpt.state_dict)
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding.from_pretrained(torch.randn(config.vocab_size, config.hidden_size, generator=gen))
+    features = torch.randn(1, 9, len(config.aux_layers) * config.hidden_size, generator=gen)
+    ids = torch.randint(0, config.vocab_size, (1, 10), generator=gen)
+    cache = DraftKVCache()
+    with torch.no_grad():
+        hidden, first = drafter.prefill(features, ids[:, :9], embed, cache)
+        _, second = drafter.step(hidden[:, -1:], ids[:, 9:], embed, cache)
+    return config.num_hidden_layers, torch.cat([first[0], second[0]])
+
+
+def test_grow_layers_stacks_identity_layers_on_a_checkpoint(uninterrupted, tmp_path):
+    # A checkpoint written before num_hidden_layers existed (its drafter.json lacks the key: one layer) grows to
+    # three layers: its tensors carry over, the two added layers start as the identity, so the grown drafter drafts
+    # the checkpoint's logits exactly. lr 1e-30: the final weights are the starting ones
+    start = tmp_path / "one-layer"
+    os.system(f"cp -r {uninterrupted / 'checkpoint-4'} {start}")
+    meta = json.loads((start / "drafter.json").read_text())
+    del meta["config"]["num_hidden_layers"]
+    (start / "drafter.json").write_text(json.dumps(meta))
+    summary = train(tmp_path / "deep", f"init_from={start}", "grow_layers=true", "num_layers=3", "optim.lr=1e-30",
+                    "max_steps=2")
+    assert summary.steps == 2
+    old, deep = load_checkpoint(start).state_dict, weights(tmp_path / "deep")
+    assert all(torch.equal(deep[k], old[k]) for k in old)
+    added = sorted(set(deep) - set(old))
+    assert {k.split(".")[1] for k in added} == {"1", "2"} and len(added) == 2 * 9  # 9 tensors a layer
+    assert all(float(deep[f"layers.{i}.{name}"].abs().max()) < 1e-20
+               for i in (1, 2) for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+    (n_old, before), (n_deep, after) = draft_logits(start), draft_logits(tmp_path / "deep" / "checkpoint-final")
+    assert (n_old, n_deep) == (1, 3)
+    torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+
+
+def test_grow_layers_refuses_what_cannot_grow(uninterrupted, tmp_path):
+    start = uninterrupted / "checkpoint-final"
+    with pytest.raises(RecipeError, match="grow_layers=true stacks layers on init_from's checkpoint: set init_from"):
+        train(tmp_path / "a", "grow_layers=true", "num_layers=2")
+    with pytest.raises(RecipeError, match=r"grow_layers: the checkpoint already has 1 decoder layer\(s\) and "
+                                          "num_layers=1; set num_layers above 1"):
+        train(tmp_path / "b", f"init_from={start}", "grow_layers=true")
+    with pytest.raises(RecipeError, match="num_hidden_layers: recipe builds 2, checkpoint has 1"):
+        train(tmp_path / "c", f"init_from={start}", "num_layers=2")
+    with pytest.raises(RecipeError, match="num_layers=0 must be >= 1"):
+        train(tmp_path / "d", "num_layers=0")
+    assert not any(earlier_run_files(tmp_path / name) for name in "abcd")
+
+
 def test_init_from_what_cannot_start_this_run_is_refused_before_any_work(uninterrupted, tmp_path):
     start = uninterrupted / "checkpoint-final"
     with pytest.raises(RecipeError, match=r"init_from=.*nowhere: not a drafter checkpoint directory"):

@@ -5,7 +5,9 @@ drafters.export.eagle3_reader.
     sglang  SGLang / official EAGLE-3 / SpecForge: config.json (LlamaForCausalLMEagle3) +
             model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d
     vllm    vLLM speculators: config.json (speculators_model_type eagle3) + model.safetensors
-            with layers.0.* instead of midlayer.*, plus the target's embed_tokens (with --target)
+            with layers.0.* instead of midlayer.*, plus the target's embed_tokens (with --target); a deeper
+            drafter's layers.1.* .. as they are (vLLM's llama_eagle3 builds num_hidden_layers layers, all but the
+            first on the hidden stream alone; SGLang and llama.cpp build one and are refused)
 
 What the engines do with these files (read in sglang python/sglang/srt/models/llama_eagle3.py and
 llama.py, vllm model_executor/models/llama_eagle3.py and llama.py, vllm
@@ -89,6 +91,9 @@ def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
     if fmt == "sglang" and norms:
         problems.append(f"the drafter was trained with {', '.join(norms)}: the sglang layout is written without "
                         "norm options; export it with --format vllm (which carries them) or native")
+    if fmt == "sglang" and c.num_hidden_layers > 1:
+        problems.append(f"{c.num_hidden_layers} decoder layers: SGLang's LlamaForCausalLMEagle3 builds one; export "
+                        "with --format vllm (vLLM's llama_eagle3 stacks num_hidden_layers) or native")
     if fmt != "native" and len(c.aux_layers) != ENGINE_AUX_LAYERS:
         problems.append(f"{len(c.aux_layers)} aux layers: SGLang and vLLM build fc for exactly "
                         f"{ENGINE_AUX_LAYERS}")
@@ -129,8 +134,8 @@ def _vllm_name(key: str) -> str:
 
 
 def llama_layer_fields(c: Eagle3Config, dtype: str) -> dict:
-    """The one decoder layer as Llama config fields."""
-    return {**decoder_fields(c, "llama", 1, dtype), "mlp_bias": False}
+    """The decoder layers as Llama config fields (more than one: vLLM's layers.1 .. read the hidden stream alone)."""
+    return {**decoder_fields(c, "llama", c.num_hidden_layers, dtype), "mlp_bias": False}
 
 
 def sglang_config(c: Eagle3Config, dtype: str) -> dict:

@@ -163,15 +163,19 @@ def export_embedding(path) -> torch.Tensor | None:
 
 # ---- config readers: -> (Eagle3Config fields but aux_layers, aux layers as HF indices, as written)
 
-def _layer_geometry(config: dict, where: str, notes: list[str]) -> dict:
-    """Fields of the one Llama decoder layer (top level for sglang, transformer_layer_config for
-    vllm) as Eagle3Config keyword arguments."""
+def _layer_geometry(config: dict, where: str, notes: list[str], stacked: bool = False) -> dict:
+    """Fields of the Llama decoder layer(s) (top level for sglang, transformer_layer_config for
+    vllm) as Eagle3Config keyword arguments. stacked: the layout may hold more than one layer (vLLM's
+    llama_eagle3 builds num_hidden_layers; SGLang's one)."""
     get_field(config, "model_type", str, where, equals="llama")
-    get_field(config, "num_hidden_layers", int, where, equals=1)
+    num_layers = get_field(config, "num_hidden_layers", int, where, **({} if stacked else {"equals": 1}))
+    if num_layers < 1:
+        raise ExportCheckError(f"{where}: num_hidden_layers = {num_layers}, an EAGLE-3 drafter has at least one")
     get_field(config, "tie_word_embeddings", bool, where, equals=False)
     geometry = {key: get_field(config, key, int, where) for key in (
         "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
         "max_position_embeddings")}
+    geometry["num_hidden_layers"] = num_layers
     defaults = []
     geometry.update(
         num_key_value_heads=llama_default(config, "num_key_value_heads", geometry["num_attention_heads"],
@@ -245,7 +249,7 @@ def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] |
     _refuse_options(config, where, VLLM_UNSUPPORTED)
     get_field(config, "speculators_version", str, where)
     layer = get_field(config, "transformer_layer_config", dict, where)
-    geometry = _layer_geometry(layer, f"{where} transformer_layer_config", notes)
+    geometry = _layer_geometry(layer, f"{where} transformer_layer_config", notes, stacked=True)
     top_dtype = config_dtype(config, where)  # speculators under transformers 5.x: here only
     if geometry["torch_dtype"] is None:
         geometry["torch_dtype"] = top_dtype
@@ -316,6 +320,16 @@ def expected_shapes(g: dict, num_aux: int, layer: str) -> dict[str, tuple[int, .
         f"{layer}input_layernorm.weight": (h,),
         f"{layer}hidden_norm.weight": (h,),
         f"{layer}post_attention_layernorm.weight": (h,),
+        **{f"layers.{i}.{name}": shape for i in range(1, g.get("num_hidden_layers", 1)) for name, shape in (
+            ("self_attn.q_proj.weight", (heads * d, h)),  # deeper layers read the hidden stream alone
+            ("self_attn.k_proj.weight", (kv * d, h)),
+            ("self_attn.v_proj.weight", (kv * d, h)),
+            ("self_attn.o_proj.weight", (h, heads * d)),
+            ("mlp.gate_proj.weight", (inter, h)),
+            ("mlp.up_proj.weight", (inter, h)),
+            ("mlp.down_proj.weight", (h, inter)),
+            ("input_layernorm.weight", (h,)),
+            ("post_attention_layernorm.weight", (h,)))},
         "norm.weight": (h,),
         "lm_head.weight": (draft, h),
         "d2t": (draft,),
@@ -379,7 +393,7 @@ def _check_native(path: Path, target, reference, seed) -> CheckReport:
         return CheckReport(path, "native", ckpt.family, None, None, None, len(ckpt.state_dict),
                            None, None)
     names = {f.name for f in fields(Eagle3Config)}
-    if set(ckpt.config) != names:
+    if set(ckpt.config) | {"num_hidden_layers"} != names:  # checkpoints before deeper drafters: one layer
         raise ExportCheckError(f"{path}: config keys differ from Eagle3Config: missing "
                                f"{sorted(names - set(ckpt.config))}, unexpected "
                                f"{sorted(set(ckpt.config) - names)}")

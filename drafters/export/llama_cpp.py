@@ -101,6 +101,9 @@ def refusals(family: str, config: dict, target) -> list[str]:
     if act != "silu":
         problems.append(f"hidden_act {act!r}: llama.cpp's {family} graph always applies SiLU in the MLP, so it "
                         "would draft with another function than the one trained")
+    if family == "eagle3" and config.get("num_hidden_layers", 1) > 1:  # its graph asserts n_layer == 1
+        problems.append(f"{config['num_hidden_layers']} decoder layers: llama.cpp's EAGLE-3 graph runs exactly one; "
+                        "serve this drafter with vLLM (export --format vllm), or train num_layers=1")
     if config.get("fc_norm"):  # EAGLE-3.1's per-layer norms: no tensor mapping in its converter
         problems.append("fc_norm (EAGLE-3.1's norm per aux layer): llama.cpp's converter has no mapping for its "
                         "fc_norm.* tensors; train with norm_before_fc instead (which llama.cpp runs), or serve with vLLM")

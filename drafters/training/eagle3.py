@@ -68,6 +68,12 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
     # the drafter's decoder layer starts as this target decoder layer (an index into the target's layers, -1 = the
     # last; Eagle3Drafter.init_layer_from), not random; null = random (SpecForge's start)
     init_layer: int | None = None
+    # the drafter's decoder layers: 1 is EAGLE-3's (and all SGLang and llama.cpp serve); more stacks plain Llama layers
+    # on the first (drafters.eagle3.Eagle3DeeperLayer), as vLLM's llama_eagle3 loads them
+    num_layers: int = 1
+    # with init_from: num_layers above the checkpoint's; its layers keep their weights and the added ones start as the
+    # identity (o_proj = down_proj = 0), so the deeper drafter starts drafting exactly what the checkpoint drafted
+    grow_layers: bool = False
     # the held-out evaluation's chain depth (evaluate_eagle3); null = ttt_steps. Set it to compare runs trained
     # at different depths on one scale
     eval_ttt_steps: int | None = None
@@ -91,6 +97,11 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
         if self.vocab_memory not in ("table", "recompute"):
             problems.append(f"vocab_memory={self.vocab_memory!r}: use table (keep the label table, fastest) or "
                             "recompute (memory flat in the draft vocabulary)")
+        if self.num_layers < 1:
+            problems.append(f"num_layers={self.num_layers} must be >= 1 (EAGLE-3's drafter is one decoder layer)")
+        if self.grow_layers and self.init_from is None:
+            problems.append("grow_layers=true stacks layers on init_from's checkpoint: set init_from, or drop "
+                            "grow_layers (a fresh run builds num_layers layers anyway)")
         if self.eval_ttt_steps is not None and self.eval_ttt_steps < 1:
             problems.append(f"eval_ttt_steps={self.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
         return problems
@@ -147,13 +158,14 @@ def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftV
     warn_about_layers(recipe, say)
     drafter = build_eagle3_drafter(recipe, target, vocab)
     say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+        f"{drafter.config.num_hidden_layers} decoder layer{'s' if drafter.config.num_hidden_layers > 1 else ''}, "
         f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
     return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight, recipe.divergence,
                            recompute=recipe.vocab_memory == "recompute")
 
 
 def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
-    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers,
+    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers, num_layers=recipe.num_layers,
                                              **recipe.norms())
     drafter = Eagle3Drafter(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids

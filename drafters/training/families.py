@@ -178,7 +178,8 @@ def train(recipe, tag: str | None = None) -> Summary:
     set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
     objective = family.build(recipe, target, train_rows, vocab, say)
     if start is not None:  # (a resumed run then loads its own on top)
-        load_initial_weights(objective.drafter, start, say, grow_vocab=grow_vocab)
+        load_initial_weights(objective.drafter, start, say, grow_vocab=grow_vocab,
+                             grow_layers=getattr(recipe, "grow_layers", False))  # EAGLE-3's
     pad = pad_id(target)
     loader = train_loader(recipe, train_rows, pad) if store is None else offline_loader(recipe, store, train_rows, pad)
     eval_batches = length_sorted_batches(held_out, recipe.batch_size)

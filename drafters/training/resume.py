@@ -286,27 +286,52 @@ def initial_vocab(ckpt):
     return DraftVocab.from_state_dict(ckpt.state_dict, source=str(ckpt.path))
 
 
-def load_initial_weights(drafter, ckpt, say, grow_vocab: bool = False) -> None:
+def load_initial_weights(drafter, ckpt, say, grow_vocab: bool = False, grow_layers: bool = False) -> None:
     """init_from: the freshly built `drafter` takes the checkpoint's weights. Its architecture comes from the
-    recipe, so every config field must equal the checkpoint's (but draft_vocab_size under grow_vocab); the
-    refusal names each one."""
+    recipe, so every config field must equal the checkpoint's (a field the checkpoint predates: its default), but
+    draft_vocab_size under grow_vocab and num_hidden_layers under grow_layers; the refusal names each one."""
     built = json.loads(json.dumps(asdict(drafter.config)))  # tuples -> lists, as drafter.json stores them
-    free = {"draft_vocab_size"} if grow_vocab else set()
-    wrong = [f"{key}: recipe builds {built.get(key)!r}, checkpoint has {ckpt.config.get(key)!r}"
-             for key in sorted((set(built) | set(ckpt.config)) - free) if built.get(key) != ckpt.config.get(key)]
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(drafter.config)}
+    saved = {**{k: v for k, v in defaults.items() if k in built}, **ckpt.config}
+    free = ({"draft_vocab_size"} if grow_vocab else set()) | ({"num_hidden_layers"} if grow_layers else set())
+    wrong = [f"{key}: recipe builds {built.get(key)!r}, checkpoint has {saved.get(key)!r}"
+             for key in sorted((set(built) | set(saved)) - free) if built.get(key) != saved.get(key)]
     if wrong:
         raise RecipeError(f"init_from={ckpt.path}: this recipe builds another drafter than the checkpoint holds:\n  "
                           + "\n  ".join(wrong) + "\nset the recipe's fields that build these (layers, norms, sizes) "
                           "to the checkpoint's values (its drafter.json, extra.recipe)")
-    state = widened_state(ckpt, drafter) if grow_vocab else ckpt.state_dict
+    state = dict(ckpt.state_dict)
+    said = ""
+    if grow_layers:
+        state |= added_layers(drafter, ckpt, saved["num_hidden_layers"])
+        said += f"; its {saved['num_hidden_layers']} decoder layer(s) carry over, the " \
+            f"{drafter.config.num_hidden_layers - saved['num_hidden_layers']} added start as the identity"
+    if grow_vocab:
+        state = widened_state(ckpt, drafter, state)
+        said += f"; its {ckpt.state_dict['d2t'].numel()} draft ids' head rows sit in a vocabulary of " \
+            f"{state['d2t'].numel()}, the new ids' rows start at zero"
     drafter.load_state_dict(state, strict=True)
-    grown = f"; its {ckpt.state_dict['d2t'].numel()} draft ids' head rows sit in a vocabulary of " \
-        f"{state['d2t'].numel()}, the new ids' rows start at zero" if grow_vocab else ""
-    say(f"init_from: the drafter starts from {ckpt.path} (step {ckpt.extra.get('step', '?')} of its run){grown}; "
+    say(f"init_from: the drafter starts from {ckpt.path} (step {ckpt.extra.get('step', '?')} of its run){said}; "
         "optimizer, schedule and step start fresh")
 
 
-def widened_state(ckpt, drafter) -> dict:
+def added_layers(drafter, ckpt, had: int) -> dict:
+    """grow_layers: the tensors of the EAGLE-3 drafter's layers had .. n-1 (drafters.eagle3: layers.1 ..; layer 0 is
+    midlayer), each started as the identity (Eagle3DeeperLayer.start_as_identity), so stacked on the checkpoint's
+    layers they pass its last layer's output through unchanged."""
+    have = drafter.config.num_hidden_layers
+    if have <= had:
+        raise RecipeError(f"init_from={ckpt.path}: grow_layers: the checkpoint already has {had} decoder layer(s) and "
+                          f"num_layers={have}; set num_layers above {had}, or drop grow_layers")
+    state = {}
+    for i in range(had, have):
+        layer = drafter.layers[str(i)]
+        layer.start_as_identity()
+        state |= {f"layers.{i}.{name}": tensor for name, tensor in layer.state_dict().items()}
+    return state
+
+
+def widened_state(ckpt, drafter, theirs_state: dict | None = None) -> dict:
     """grow_vocab: init_from's weights for a drafter whose draft vocabulary holds the checkpoint's ids and more
     (drafters.training.eagle3.choose_draft_vocab's keep). A tensor with one row per draft id (the LM head,
     (Vd_old, h)) becomes (Vd_new, h): the checkpoint's row of target id t moves to t's row in the new vocabulary,
@@ -314,7 +339,9 @@ def widened_state(ckpt, drafter) -> dict:
     drafted wherever its best logit is above 0; the target LM head's rows instead (a fresh run's start) outscore
     the trained rows, whose hidden space has drifted from the target's (a SmolLM2-135M drafter's first-draft
     training accuracy: 0.02 over the first 10 steps, against 0.72 at its own vocabulary). d2t / t2d are the new
-    vocabulary's; every other tensor is the checkpoint's, of the same shape."""
+    vocabulary's; every other tensor is the checkpoint's (theirs_state: the checkpoint's as grow_layers extended it),
+    of the same shape."""
+    theirs_state = ckpt.state_dict if theirs_state is None else theirs_state
     own = drafter.state_dict()
     old, new = initial_vocab(ckpt), DraftVocab.from_state_dict(own, source="the grown drafter")
     rows, inside = new.to_draft(old.used.to(new.t2d.device))  # (Vd_old,) new draft row of each old id
@@ -322,7 +349,7 @@ def widened_state(ckpt, drafter) -> dict:
         raise RecipeError(f"init_from={ckpt.path}: grow_vocab built a vocabulary without all of the checkpoint's ids")
     state = {}
     for key, mine in own.items():
-        theirs = ckpt.state_dict.get(key)
+        theirs = theirs_state.get(key)
         if key in ("d2t", "t2d"):
             state[key] = mine
         elif theirs is None:
