@@ -42,10 +42,11 @@ def test_the_estimate_grows_as_its_terms_say():
     # labels and head gradients linear in the draft vocabulary; the online target's hidden states on top
     import torch
 
-    def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False, vocab_memory="table"):
+    def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False, vocab_memory="table", layers=1):
         recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq), ttt_steps=steps,
                                  vocab_memory=vocab_memory)
-        drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64),
+        drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64,
+                                                         num_hidden_layers=layers),
                                   parameters=lambda: [torch.zeros(100, requires_grad=True)])
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
             hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16, vocab_size=3000)
@@ -60,6 +61,8 @@ def test_the_estimate_grows_as_its_terms_say():
     assert longer["head grads"] == base["head grads"]
     assert deeper["head grads"] == 2 * base["head grads"] and deeper["activations"] == 2 * base["activations"]
     assert wider["labels"] == 2 * base["labels"] and wider["activations"] == base["activations"]
+    stacked = estimate(layers=3)  # each TTT step runs every decoder layer; one LM head a step whatever the depth
+    assert stacked["activations"] == 3 * base["activations"] and stacked["head grads"] == base["head grads"]
     assert estimate(online=True)["target"] == 2 * 512 * 32 * 4 * 2
 
 
@@ -71,7 +74,7 @@ def test_recomputed_labels_take_the_vocabulary_out_of_the_estimate():
     def parts(vocab, seq=512, vocab_memory="recompute"):
         recipe = SimpleNamespace(batch_size=2, data=SimpleNamespace(max_length=seq), ttt_steps=7,
                                  vocab_memory=vocab_memory)
-        drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64),
+        drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64, num_hidden_layers=1),
                                   parameters=lambda: [])
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
             hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16, vocab_size=3000)

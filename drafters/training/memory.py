@@ -14,7 +14,8 @@ hidden size, P = its trainable parameters:
     head grads   k Vd h 4             each TTT step's LM-head gradient, kept by the fused loss until backward
                  Vd h 4               vocab_memory=recompute: one at a time, computed in backward
     optimizer    P 12                 float32 gradients and two optimizer states (AdamW; Muon keeps one on matrices)
-    activations  k B T h ACT_BYTES    what each TTT step keeps for backward (block families: the blocks' slots)
+    activations  k n B T h ACT_BYTES  what each TTT step keeps for backward through the drafter's n decoder layers
+                                      (block families: the blocks' slots through each layer)
     logits       4 R Vd 4             a loss without a fused head (DSpark's Markov bias): R rows of logits, their
                                       log-softmax, softmax and gradient in float32
     transients   16 c Vd + 8 E        the fused loss's chunk (c = drafters.losses.loss_chunk_rows(Vd) rows: logits,
@@ -42,7 +43,7 @@ ACT_BYTES = 128  # per token, TTT step and unit of hidden size kept for backward
 class StepShape:
     """What a family's step holds, in the units of the estimate (a TrainingFamily's memory_shape returns it)."""
 
-    steps: int  # sequential passes whose activations backward keeps (TTT steps; a block drafter's layers)
+    steps: int  # sequential passes whose activations backward keeps (TTT steps x layers; a block drafter's layers)
     label_rows: int  # rows of the (rows, Vd) label table
     act_tokens: int  # tokens each pass runs
     head_grad_steps: int  # passes that keep an LM-head gradient of their own (0: the head is frozen)
@@ -52,11 +53,11 @@ class StepShape:
     switches: tuple[str, ...] = ()  # recipe settings that lower the step's memory, other than the knobs
 
 
-def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every row
+def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every row, through each decoder layer
     tokens, recompute = recipe.batch_size * recipe.data.max_length, recipe.vocab_memory == "recompute"
     knobs = (f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
              f"ttt_steps ({recipe.ttt_steps})")
-    return StepShape(recipe.ttt_steps, tokens, tokens, 1 if recompute else recipe.ttt_steps, knobs,
+    return StepShape(recipe.ttt_steps * drafter.config.num_hidden_layers, tokens, tokens, 1 if recompute else recipe.ttt_steps, knobs,
                      recomputed_labels=recompute, switches=() if recompute else (
                          "vocab_memory=recompute (labels and head gradients recomputed in backward: flat in the "
                          "draft vocabulary, slower)",))
