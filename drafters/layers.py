@@ -1,4 +1,4 @@
-"""What the single-layer drafters (drafters.eagle3, drafters.eagle1) share: the layer geometry read from
+"""What the EAGLE drafters' layers (drafters.eagle3, drafters.eagle1) share: the layer geometry read from
 the target, the attention over an input of a given width, and the drafter's own KV cache.
 
 Geometry: a drafter layer is shaped like one of the target's decoder layers (hidden size, MLP width,
