@@ -99,6 +99,10 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
     **{f"dflash-l{n}": (f"(i) DFlash, {n} decoder layer{'s' if n > 1 else ''}, block 4, batch 2 x 1, lr 1e-3",
                         [*FAST, "dflash.block_size=4", f"dflash.num_layers={n}", "batch_size=2", "grad_accum=1"],
                         "recipes/dflash_smollm2.yaml") for n in (1, 2, 4)},
+    # (h) issue 35, D-PACE for block drafters: dflash-l1 with the slots weighted by D-PACE instead of the fixed decay
+    "dflash-dpace": ("(h) DFlash as dflash-l1, slots weighted by D-PACE (dflash.weighting=dpace, alpha 0.5)",
+                     [*FAST, "dflash.block_size=4", "dflash.num_layers=1", "batch_size=2", "grad_accum=1",
+                      "dflash.weighting=dpace"], "recipes/dflash_smollm2.yaml"),
 }
 
 
@@ -115,7 +119,8 @@ def train_command(name: str, args) -> tuple[list[str], int]:
     per_step = recipe_value(recipe, overrides, "batch_size") * recipe_value(recipe, overrides, "grad_accum")
     steps = max(1, args.budget // per_step)
     depth = ["eval_ttt_steps=7"] if recipe_value(recipe, overrides, "drafter") == "eagle3" else []
-    common = [f"features.dir={args.features}", f"threads={args.threads}", *depth, "epochs=null",
+    data = [f"data.path={args.data}"] if args.data else []  # the rows the store was written for
+    common = [f"features.dir={args.features}", *data, f"threads={args.threads}", *depth, "epochs=null",
               f"max_steps={steps}", "save_every=0", "eval_every=0", "log_every=5", "overwrite_output_dir=true",
               f"output_dir={args.out}/{name}"]
     overrides = [o.format(half=args.budget // 2) for o in overrides]
@@ -198,6 +203,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--target", default="smollm2-135m-instruct", help="the recipe's target, for --mt-bench")
     p.add_argument("--features", required=True, help="the offline feature store (train/features.py) all runs read")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of: {', '.join(SETTINGS)}")
+    p.add_argument("--data", default=None, help="the data file the store was written for, when it is not the "
+                   "recipe's data.path")
     p.add_argument("--budget", type=int, default=240, help="training conversations per run (default 240)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--mt-bench", type=int, default=0, help="also measure chain tau on the first N MT-bench questions")

@@ -26,7 +26,7 @@ from drafters.dflash import (
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle3 import fuse_features
 from drafters.tiny import build_tiny_target
-from drafters.training.dflash import block_loss, decay_weights
+from drafters.training.dflash import block_loss, decay_weights, dpace_weights
 from drafters.training.recipe import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +208,48 @@ def test_fused_loss_equals_the_logits_path_and_a_hand_computation(setup):
     assert not torch.isclose(hard.loss, plain.loss) and hard.loss > 0
 
 
+def test_dpace_weights_on_hand_made_blocks():
+    # q = (0.5, 0.2, 0.9), alpha 0.5: s = (0.75, 0.6, 0.95), P = (0.75, 0.45, 0.4275), w_j = sum_{m >= j} P_m
+    q = torch.tensor([[[0.5, 0.2, 0.9]]])
+    every = torch.ones(1, 1, 3, dtype=torch.bool)
+    torch.testing.assert_close(dpace_weights(q, every, 0.5), torch.tensor([[[1.6275, 0.8775, 0.4275]]]))
+    # slot 2 not counted: s_2 = 1 (P carries through) and P_2 is left out of the sums
+    middle_out = torch.tensor([[[True, False, True]]])
+    torch.testing.assert_close(dpace_weights(q, middle_out, 0.5), torch.tensor([[[0.75 + 0.7125, 0.7125, 0.7125]]]))
+    # alpha 1: every prefix is 1, a slot weighs the counted slots from it to the block's end
+    torch.testing.assert_close(dpace_weights(q, middle_out, 1.0), torch.tensor([[[2.0, 1.0, 1.0]]]))
+
+
+@torch.no_grad()
+def test_dpace_loss_equals_a_hand_computation(setup):
+    # per block: q_j = softmax(draft logits of slot j)[target argmax], s_j = (1 - alpha) q_j + alpha at counted slots,
+    # P_j = prod s, w_j = sum_{m >= j, counted} P_m; loss = sum over counted slots of w_j CE_j / sum of their w_j
+    model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
+    drafter = make_drafter(model, draft_vocab=VOCAB)
+    embed, alpha = model.get_input_embeddings(), 0.3
+    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, weighting="dpace",
+                     dpace_alpha=alpha, return_logits=True)
+    num, den = 0.0, 0.0
+    for b in range(2):
+        for n in range(anchors.shape[1]):
+            prefix, slots = 1.0, []
+            for j in range(1, BLOCK):
+                a = int(anchors[b, n])
+                if not keep[b, n] or a + j >= ids.shape[1] or not loss_mask[b, a + j]:
+                    continue
+                p, log_q = logits[b, a + j - 1].softmax(-1), out.logits[b, n, j - 1].log_softmax(-1)
+                prefix *= (1 - alpha) * float(log_q[p.argmax()].exp()) + alpha
+                slots.append((prefix, float(-(p * log_q).sum())))
+            for i, (_, ce) in enumerate(slots):
+                weight = sum(prefix for prefix, _ in slots[i:])
+                num, den = num + weight * ce, den + weight
+    assert den > 0
+    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), atol=1e-5, rtol=1e-5)
+    decayed = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep)
+    assert not torch.isclose(decayed.loss, out.loss)  # another weighting, another loss
+    torch.testing.assert_close(out.step_losses, decayed.step_losses, atol=1e-5, rtol=1e-5)  # the same slots' CE
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_the_label_side_in_chunks_gives_the_same_loss_and_gradients(setup, rows, monkeypatch):
     # the target's full-vocabulary logits at the supervised rows are computed `rows` at a time (LabelLogits through
@@ -350,6 +392,8 @@ def test_resumed_run_draws_the_same_anchors_and_ends_with_the_same_weights(train
     ("dflash.anchors=0", "dflash.anchors=0 must be >= 1"),
     ("dflash.gamma=0", "dflash.gamma=0.0 must be > 0|dflash.gamma=0 must be > 0"),
     ("dflash.labels=hard", "dflash.labels"),
+    ("dflash.weighting=focal", "'focal' is not one of 'decay', 'dpace'"),
+    ("dflash.dpace_alpha=2", r"dflash.dpace_alpha=2.0 must be in \[0, 1\]"),
     ("dflash.mask_token_id=300", "dflash.mask_token_id=300 is not a token id of the target"),
 ])
 def test_bad_dflash_values_fail_clearly(trainer, tmp_path, override, message):

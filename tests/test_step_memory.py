@@ -109,3 +109,15 @@ def test_a_run_with_recomputed_labels_trains_as_the_table_run(tmp_path):
 def test_an_unknown_vocab_memory_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(RecipeError, match="vocab_memory"):
         load_recipe([str(ROOT / "recipes" / "eagle3_tiny.yaml"), "vocab_memory=lazy", f"output_dir={tmp_path}"])
+
+
+def test_dpace_weighting_counts_the_block_logits_it_keeps():
+    # D-PACE weighs each slot by the draft's own probabilities: the block loss keeps every slot's (rows, Vd) logits,
+    # which the fused decay loss never materialises
+    def shape(weighting, fused=True):
+        recipe = SimpleNamespace(batch_size=2, data=SimpleNamespace(max_length=512),
+                                 dflash=SimpleNamespace(block_size=4, anchors=8, weighting=weighting))
+        drafter = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1), fused_loss=fused)
+        return memory.block_shape(recipe, drafter)
+
+    assert shape("decay").logit_rows == 0 and shape("dpace").logit_rows == 2 * 8 * 3 == shape("decay", False).logit_rows

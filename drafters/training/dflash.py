@@ -22,6 +22,7 @@ from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe
 
 LABELS = ("soft", "argmax")
+WEIGHTINGS = ("decay", "dpace")
 
 
 @dataclass
@@ -31,6 +32,11 @@ class DFlashOptions:
     anchors: int = 32  # blocks per row and step, at random eligible anchors (fewer if the row has fewer)
     gamma: float = 4.0  # slot weight w_j = exp(-(j-1) / gamma); the paper: 4 at B = 8, 5 at B = 10, 7 at B = 16
     labels: Literal["soft", "argmax"] = "soft"  # CE against the target distribution or its argmax
+    # the slots' weights: decay = the fixed exp(-(j-1) / gamma); dpace = D-PACE (arXiv 2605.18810), each block's
+    # weights from the draft's own confidence, moving the loss to the slots that currently end its accepted prefix
+    # (`dpace_weights`); dpace_alpha smooths that confidence (1: a slot weighs the counted slots to the block's end)
+    weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = 0.5
     mask_token_id: int | None = None  # null: the lowest target id that no training row contains
 
 
@@ -53,6 +59,10 @@ def check_dflash(o: DFlashOptions) -> list[str]:
             problems.append(f"dflash.{name}={getattr(o, name)} must be >= 1")
     if not o.gamma > 0:
         problems.append(f"dflash.gamma={o.gamma} must be > 0")
+    if o.weighting not in WEIGHTINGS:
+        problems.append(f"dflash.weighting={o.weighting!r} must be one of {', '.join(WEIGHTINGS)}")
+    if not 0 <= o.dpace_alpha <= 1:
+        problems.append(f"dflash.dpace_alpha={o.dpace_alpha} must be in [0, 1]")
     if o.labels not in LABELS:
         problems.append(f"dflash.labels={o.labels!r} must be one of {', '.join(LABELS)}")
     if o.mask_token_id is not None and (isinstance(o.mask_token_id, bool) or o.mask_token_id < 0):
@@ -109,6 +119,19 @@ def decay_weights(block_size: int, gamma: float, device=None) -> Tensor:
     return torch.where(j > 0, torch.exp(-(j - 1).clamp(min=0) / gamma), 0.0)
 
 
+def dpace_weights(confidence: Tensor, counted: Tensor, alpha: float) -> Tensor:
+    """D-PACE's slot weights (arXiv 2605.18810), detached: confidence (B, N, Bk-1) = the draft's probability of the
+    target's argmax at slot j (q_j), counted (B, N, Bk-1) bool. With s_j = (1 - alpha) q_j + alpha at counted slots
+    and 1 elsewhere, P_j = prod_{i <= j} s_i (a smooth probability that slots 1..j are all accepted) and
+    tau ~ sum_j counted_j P_j (the block's expected accepted length), the weight of slot j's cross-entropy is
+        w_j = sum_{m >= j} counted_m P_m = d tau / d log s_j,
+    what raising slot j's log-probability is worth to the accepted length: the first slots weigh most while they
+    end most prefixes, and the weight moves to later slots as the first ones become reliable."""
+    smooth = torch.where(counted, (1 - alpha) * confidence.float() + alpha, 1.0)
+    prefix = torch.cumprod(smooth, dim=-1)  # (B, N, Bk-1) P_j
+    return (prefix * counted).flip(-1).cumsum(-1).flip(-1)  # (B, N, Bk-1) w_j = sum_{m >= j} counted_m P_m
+
+
 @dataclass
 class BlockOutput:
     loss: Tensor  # () weighted mean over counted slots: sum_j w_j sum CE_j / sum_j w_j count_j
@@ -122,7 +145,7 @@ class BlockOutput:
 
 def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep, *,
                gamma: float = 4.0, labels: str = "soft", return_logits: bool = False,
-               confidence_weight: float = 1.0) -> BlockOutput:
+               confidence_weight: float = 1.0, weighting: str = "decay", dpace_alpha: float = 0.5) -> BlockOutput:
     """The DFlash objective on one batch: drafter.block_unroll's blocks, slot j = 1..Bk-1 scored against the
     target's row a+j-1 (drafters.dflash.block_label_rows / block_label_mask) and weighted w_j =
     exp(-(j-1) / gamma); loss = sum_j w_j sum CE_j / sum_j w_j count_j. target_logits (B, T, V) or
@@ -132,9 +155,13 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     DSpark (drafters.dspark): slot j's logits add the Markov bias of the true token a+j-1 (teacher forcing), and
     a confidence head, if any, adds confidence_weight x sum_j w_j sum BCE_j / sum_j w_j count_j, its label the
     probability that slot j's draft is accepted, 1 - TV(q_j, p_j) (detached; speculators' target).
+    weighting "dpace": each counted slot's CE weighs its block's `dpace_weights` instead, loss = sum w CE / sum w
+    (the weighted mean, as with the decay; the confidence head keeps the decay); the slots' logits are then kept.
     return_logits keeps every slot's logits (tests, evaluation)."""
     if labels not in LABELS:
         raise ValueError(f"labels={labels!r}: use one of {', '.join(LABELS)}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(WEIGHTINGS)}")
     c, device = drafter.config, input_ids.device
     bk, seq_len = c.block_size, input_ids.shape[1]
     normed = drafter.block_unroll(features, input_ids, embed, anchors, keep)[:, :, 1:]  # (B, N, Bk-1, h)
@@ -148,7 +175,10 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     weights = decay_weights(bk, gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
     counts = counted.sum(dim=(0, 1))  # (Bk-1,)
     total = (weights * counts).sum().clamp(min=1e-12)  # sum_j w_j count_j
-    fused = not return_logits and c.final_logit_softcapping is None and drafter.fused_loss
+    fused = not return_logits and c.final_logit_softcapping is None and drafter.fused_loss and weighting == "decay"
+    if weighting == "dpace":
+        return _dpace_block_loss(drafter, normed, prev, index, counted, target_p, argmax_draft, wanted, weights,
+                                 total, dpace_alpha, return_logits, confidence_weight)
     losses, accuracies, all_logits, confidence = [], [], [], []
     for j in range(bk - 1):  # slot j+1
         rows_j = index[:, :, j][counted[:, :, j]]  # (M_j,) into target_p / argmax_draft
@@ -185,6 +215,39 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
                        logits=torch.stack(all_logits, 2) if return_logits else None, labels=label_ids)
 
 
+def _dpace_block_loss(drafter, normed, prev, index, counted, target_p, argmax_draft, wanted, decay, decay_total,
+                      alpha, return_logits, confidence_weight) -> BlockOutput:
+    """block_loss under weighting "dpace": every slot's logits (B, N, Bk-1, Vd), each counted slot's CE (`soft`:
+    against target_p; `argmax`: target_p is already one-hot), D-PACE's detached weights from the draft's probability
+    of the target's argmax, loss = sum w CE / sum w."""
+    logits = torch.stack([drafter.slot_logits(normed[:, :, j], prev[:, :, j]) for j in range(normed.shape[2])], 2)
+    log_q = torch.log_softmax(logits.float(), dim=-1)  # (B, N, Bk-1, Vd)
+    safe = index.clamp(min=0)
+    p, want = target_p[safe], argmax_draft[safe]  # (B, N, Bk-1, Vd), (B, N, Bk-1)
+    ce = torch.where(counted, -(p * log_q).sum(-1), 0.0)  # (B, N, Bk-1)
+    with torch.no_grad():
+        weights = dpace_weights(log_q.gather(-1, want[..., None]).squeeze(-1).exp(), counted, alpha)
+    total = (weights * counted).sum().clamp(min=1e-12)
+    step_losses = (weights * ce).sum(dim=(0, 1)) / total  # (Bk-1,) weighted shares of the loss
+    counts = counted.sum(dim=(0, 1))
+    with torch.no_grad():
+        mean_ce = ce.detach().sum(dim=(0, 1)) / counts.clamp(min=1)
+        right = (logits.argmax(-1) == want) & counted
+        accuracies = right.sum(dim=(0, 1)) / counts.clamp(min=1)
+    loss = step_losses.sum()
+    if drafter.confidence_head is not None:  # DSpark's confidence head: weighted by the decay, as in block_loss
+        with torch.no_grad():  # P(accept a draft from q) = 1 - TV(q, p)
+            accept = 1 - 0.5 * (log_q.exp() - p).abs().sum(-1)
+        conf = torch.stack([drafter.confidence_logits(normed[:, :, j], prev[:, :, j]) for j in range(normed.shape[2])],
+                           2)  # (B, N, Bk-1)
+        bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
+        loss = loss + confidence_weight * (decay * torch.where(counted, bce, 0.0)).sum() / decay_total
+    label_ids = torch.where(counted, want, -1) if return_logits else None
+    return BlockOutput(loss=loss, step_losses=mean_ce, step_accuracies=accuracies, step_counts=counts,
+                       step_supervised=wanted.sum(dim=(0, 1)), logits=logits if return_logits else None,
+                       labels=label_ids)
+
+
 def supervised_block_targets(drafter: DFlashDrafter, target_logits, rows: Tensor, wanted: Tensor, seq_len: int):
     """The target side of the loss, computed once per distinct row: -> index (B, N, Bk-1) into the two
     tensors (-1 = not counted: not wanted, or the target's full-vocab argmax is outside the draft vocab),
@@ -217,7 +280,8 @@ class DFlashObjective(nn.Module):
         self.anchor_generator.copy_(generator.get_state())
         o = self.options
         return block_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep,
-                          gamma=o.gamma, labels=o.labels, confidence_weight=self.confidence_weight)
+                          gamma=o.gamma, labels=o.labels, confidence_weight=self.confidence_weight,
+                          weighting=o.weighting, dpace_alpha=o.dpace_alpha)
 
 
 @torch.no_grad()

@@ -16,8 +16,8 @@ hidden size, P = its trainable parameters:
     optimizer    P 12                 float32 gradients and two optimizer states (AdamW; Muon keeps one on matrices)
     activations  k n B T h ACT_BYTES  what each TTT step keeps for backward through the drafter's n decoder layers
                                       (block families: the blocks' slots through each layer)
-    logits       4 R Vd 4             a loss without a fused head (DSpark's Markov bias): R rows of logits, their
-                                      log-softmax, softmax and gradient in float32
+    logits       4 R Vd 4             a loss without a fused head (DSpark's Markov bias, D-PACE's weights): R rows
+                                      of logits, their log-softmax, softmax and gradient in float32
     transients   16 c Vd + 8 E        the fused loss's chunk (c = drafters.losses.loss_chunk_rows(Vd) rows: logits,
                                       log q, q, dz in float32, 2^23 elements each whatever Vd) and a label
                                       chunk (E = drafters.losses.LABEL_CHUNK_ELEMENTS logits and their softmax)
@@ -68,7 +68,8 @@ def block_shape(recipe, drafter) -> StepShape:  # DFlash, DSpark: the anchors' b
     rows = recipe.batch_size * anchors * (block - 1)
     return StepShape(drafter.config.num_hidden_layers, rows, recipe.batch_size * anchors * block, 0, (
         f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
-        f"dflash.anchors ({anchors})"), logit_rows=0 if drafter.fused_loss else rows)
+        f"dflash.anchors ({anchors})"),
+        logit_rows=0 if drafter.fused_loss and recipe.dflash.weighting == "decay" else rows)  # dpace keeps logits
 
 
 @dataclass
