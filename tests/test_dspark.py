@@ -143,6 +143,41 @@ def test_confidence_loss_is_the_bce_against_one_minus_total_variation(setup):
     torch.testing.assert_close(weighted.step_losses, without.step_losses)  # the CE parts are unchanged
 
 
+@torch.no_grad()
+def test_dpace_weighs_the_markov_biased_slots_and_keeps_the_decayed_confidence_loss(setup):
+    # weighting=dpace on DSpark: the CE part is D-PACE's weighted mean over the slots' logits WITH the Markov bias
+    # (by hand below), and the confidence term is the decay's, as without D-PACE
+    from drafters.dflash import block_label_mask, block_label_rows
+    from drafters.training.dflash import supervised_block_targets
+
+    model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
+    embed, alpha = model.get_input_embeddings(), 0.5
+    dp0 = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=0.0,
+                     weighting="dpace", dpace_alpha=alpha, return_logits=True)
+    index, (target_p, _) = supervised_block_targets(drafter, logits, block_label_rows(anchors, BLOCK),
+                                                    block_label_mask(anchors, keep, loss_mask, BLOCK), ids.shape[1])
+    num, den = 0.0, 0.0
+    for b in range(anchors.shape[0]):
+        for n in range(anchors.shape[1]):
+            prefix, slots = 1.0, []
+            for j in range(BLOCK - 1):
+                if dp0.labels[b, n, j] < 0:
+                    continue
+                log_q = dp0.logits[b, n, j].log_softmax(-1)
+                prefix *= (1 - alpha) * float(log_q[dp0.labels[b, n, j]].exp()) + alpha
+                slots.append((prefix, float(-(target_p[index[b, n, j]] * log_q).sum())))
+            for i, (_, ce) in enumerate(slots):
+                weight = sum(prefix for prefix, _ in slots[i:])
+                num, den = num + weight * ce, den + weight
+    assert den > 0
+    torch.testing.assert_close(dp0.loss, torch.as_tensor(num / den, dtype=torch.float32), atol=1e-5, rtol=1e-5)
+    dp2 = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=2.0,
+                     weighting="dpace", dpace_alpha=alpha)
+    without = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=0.0)
+    weighted = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=2.0)
+    torch.testing.assert_close(dp2.loss - dp0.loss, weighted.loss - without.loss, atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- the proposer
 
 
