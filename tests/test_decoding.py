@@ -6,7 +6,8 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 
 from drafters.targets import with_cache
-from drafters.decode.decoder import compact_cache, speculative_generate, tree_attention_mask, tree_forward
+from drafters.decode.cache import compact_cache
+from drafters.decode.decoder import speculative_generate, tree_attention_mask, tree_forward
 from drafters.decode.proposers import TargetNeeds
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import EAGLE1_PATHS, Frontier, Tree, TreeShape, build_dynamic_tree, build_static_tree

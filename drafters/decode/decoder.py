@@ -23,9 +23,10 @@ from time import perf_counter
 import torch
 from torch import Tensor
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from drafters.acceptance import depth_acceptance
+from drafters.decode.cache import (StateSnapshot, check_tree_decodable, compact_cache, has_recurrent_layers,
+                                   model_cache)
 from drafters.decode.proposers import Proposer, TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import Tree
@@ -94,42 +95,9 @@ def _model_masks(model, tree: Tree, past: int):
     return {kind: makers[kind]() for kind in layer_types}
 
 
-TREE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # what _model_masks masks
-# layers that keep a recurrent state (transformers' cache layer types): verified as chains, rolled back by snapshots
-RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
-
-
-def check_tree_decodable(model) -> set[str]:
-    """The target's layer types (TREE_LAYER_TYPES, plus RECURRENT_LAYER_TYPES where `has_recurrent_layers`), or
-    one sentence on why the decoder cannot run it, raised before any forward."""
-    config = model.config.get_text_config()
-    layer_types = set(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
-                      or ["full_attention"])
-    layer_types -= {"dummy", "moe", "mlp"}  # layers that keep no cache at all
-    recurrent = layer_types & set(RECURRENT_LAYER_TYPES)
-    other = sorted(layer_types - set(TREE_LAYER_TYPES) - recurrent)
-    if other:
-        raise NotImplementedError(
-            f"decoding: {type(model).__name__} has {', '.join(other)} layers, which this decoder cannot verify drafts "
-            f"on (it runs attention layers: {', '.join(TREE_LAYER_TYPES)}; and recurrent ones: "
-            f"{', '.join(RECURRENT_LAYER_TYPES)}). Training and export work for this target; measure tau in an "
-            "engine that serves it")
-    if recurrent and layer_types & {"sliding_attention", "chunked_attention"}:
-        raise NotImplementedError(
-            f"decoding: {type(model).__name__} mixes recurrent layers with windowed attention, whose cache evicts "
-            "keys a rejected draft would have to restore; this decoder does not roll that back. Training and export "
-            "work for this target; measure tau in an engine that serves it")
-    return layer_types
-
-
-def has_recurrent_layers(model) -> bool:
-    # True: rounds verify first-child chains and roll back by StateSnapshot (the module docstring)
-    return bool(check_tree_decodable(model) & set(RECURRENT_LAYER_TYPES))
-
-
 def tree_forward(model, cache: DynamicCache, tree: Tree, *, hidden_states: bool = False):
     # One target forward over all tree nodes; appends their K/V (N entries) to the cache.
-    past = cache.get_seq_length()
+    past = int(cache.get_seq_length())  # an int, not a recurrent layer's live counter (transformers >= 5.25)
     position_ids = (past + tree.depths)[None]  # (1, N)
     return model(input_ids=tree.tokens[None], attention_mask=_model_masks(model, tree, past),
                  position_ids=position_ids, **with_cache(model, cache), use_cache=True,
@@ -138,7 +106,7 @@ def tree_forward(model, cache: DynamicCache, tree: Tree, *, hidden_states: bool 
 
 def chain_forward(model, cache: DynamicCache, tokens: Tensor, *, hidden_states: bool = False):
     # tokens (n,) after the cache: the model's own causal (and recurrent) path, no custom mask
-    past = cache.get_seq_length()
+    past = int(cache.get_seq_length())
     position_ids = past + torch.arange(tokens.numel(), device=tokens.device)
     return model(input_ids=tokens[None], position_ids=position_ids[None], **with_cache(model, cache), use_cache=True,
                  output_hidden_states=hidden_states)
@@ -154,53 +122,6 @@ def first_chain(tree: Tree) -> Tree:
     index = torch.tensor(nodes, device=tree.tokens.device)
     probs = None if tree.draft_probs is None else tree.draft_probs[index.to(tree.draft_probs.device)]
     return Tree.chain(tree.tokens[index], probs)
-
-
-def model_cache(model) -> DynamicCache:
-    # attention-only targets: plain DynamicLayers (compact_cache gathers them); recurrent ones: the model's own
-    # layout, whose linear layers hold the states StateSnapshot copies
-    return DynamicCache(config=model.config) if has_recurrent_layers(model) else DynamicCache()
-
-
-class StateSnapshot:
-    """What a chain verification must undo: the attention layers' length (cut back to it) and a copy of every
-    recurrent layer's conv and recurrent states (copied back in place: a state sums all its tokens and cannot be
-    cropped). Taken before the verification forward; `restore` leaves the cache as it was then."""
-
-    def __init__(self, cache: DynamicCache):
-        self.length = cache.get_seq_length()
-        self.states = []
-        for layer in cache.layers:
-            if not isinstance(layer, (DynamicLayer, LinearAttentionLayer, DummyLayer)):
-                raise NotImplementedError(f"StateSnapshot: cache layer {type(layer).__name__} is neither plain "
-                                          "attention nor a recurrent state; it cannot be rolled back")
-            if isinstance(layer, LinearAttentionCacheLayerMixin):
-                self.states.append(tuple({i: t.clone() for i, t in states.items() if t is not None}
-                                         for states in (layer.conv_states, layer.recurrent_states)))
-            else:
-                self.states.append(None)
-
-    def restore(self, cache: DynamicCache) -> None:
-        for layer, saved in zip(cache.layers, self.states):
-            if saved is not None:
-                for states, copies in zip((layer.conv_states, layer.recurrent_states), saved):
-                    for i, copy in copies.items():
-                        states[i].copy_(copy)  # in place: the layer keeps its tensors' addresses
-            elif isinstance(layer, DynamicLayer) and layer.is_initialized:
-                layer.keys, layer.values = layer.keys[:, :, :self.length], layer.values[:, :, :self.length]
-
-
-def compact_cache(cache: DynamicCache, past: int, keep: Tensor) -> None:
-    # keep (a,) tree node ids in path order: cache[:past] + tree block[keep] -> cache of length past + a
-    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
-    if odd:
-        raise NotImplementedError(f"compact_cache: cache layers {sorted(odd)} may evict or roll keys; tree "
-                                  "decoding needs plain DynamicLayer everywhere (build the cache with DynamicCache())")
-    src, end = past + keep.to(cache.layers[0].keys.device), past + len(keep)
-    for layer in cache.layers:
-        layer.keys[:, :, past:end] = layer.keys[:, :, src]  # (B, Hkv, a, D); advanced indexing copies first
-        layer.values[:, :, past:end] = layer.values[:, :, src]
-        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 
 # ---------------------------------------------------------------- verification
@@ -295,10 +216,10 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
     context = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long, device=device)])  # (T,) = cache
     tree = _on(proposer.propose(context, pending, sampling), device, pending)
     snapshot = None
-    if recurrent := any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
+    if recurrent := has_recurrent_layers(model):
         tree, snapshot = first_chain(tree), StateSnapshot(cache)
     t1 = synced_clock(device)
-    past = cache.get_seq_length()
+    past = int(cache.get_seq_length())
     if recurrent:
         out = chain_forward(model, cache, tree.tokens, hidden_states=needs.any)
     else:

@@ -53,7 +53,8 @@ from tqdm import tqdm
 from drafters.acceptance import geometric_chain_tau, position_acceptance
 from drafters.decode import autotree
 from drafters.decode.benches import BenchItem, load_bench, render_prompt
-from drafters.decode.decoder import RoundStats, has_recurrent_layers, speculative_generate
+from drafters.decode.cache import has_recurrent_layers
+from drafters.decode.decoder import RoundStats, speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
 from drafters.decode.proposers.loading import load_proposer, proposer_sha256
 from drafters.decode.sampling import SamplingConfig
