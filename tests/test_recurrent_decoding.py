@@ -187,3 +187,28 @@ def test_windowed_attention_beside_recurrent_layers_is_refused_in_one_sentence()
     model.config.layer_types = ["sliding_attention" if t == "full_attention" else t for t in model.config.layer_types]
     with pytest.raises(NotImplementedError, match="mixes recurrent layers with windowed attention"):
         check_tree_decodable(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "granite_hybrid", "lfm2"])
+def test_a_hybrid_draft_model_drafts_chains_losslessly_in_its_own_cache(arch):
+    # the draft is the target with a noisy LM head: it agrees often, not always, so rounds both accept and roll back
+    target = tiny(arch)
+    draft, _ = build_tiny_architecture(arch)
+    with torch.no_grad():
+        draft.lm_head.weight += 0.6 * draft.lm_head.weight.std() * torch.randn(
+            draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(3))
+    proposer = DraftModelProposer(draft, ChainSpec(3), target_vocab_size=target.config.vocab_size)
+    prompt = _prompt(8)
+    reference = greedy_reference(target, prompt, 30)
+    out, stats = speculative_generate(target, proposer, prompt, max_new_tokens=30)
+    assert out.tolist() == reference.tolist()
+    full = stats.accepted[:-1]
+    assert any(a < 3 for a in full) and any(a > 0 for a in full)
+    # the draft model's cache holds the committed tokens only: its drafted tokens were rolled back
+    assert int(proposer.cache.get_seq_length()) == proposer.cached.numel() <= out.numel()
+    assert proposer.cached.tolist() == out[: proposer.cached.numel()].tolist()
+
+
+def test_a_hybrid_draft_model_refuses_a_tree_in_one_sentence():
+    with pytest.raises(ValueError, match=r"recurrent layers.*use a chain \(--tree chain:K\)"):
+        DraftModelProposer(tiny("qwen3_5"), DynamicSpec(), target_vocab_size=tiny("qwen3_5").config.vocab_size)

@@ -11,6 +11,9 @@ in one forward. Shapes:
     forward of the draft model over the frontier with a 4D tree mask (ancestors-or-self plus the
     whole committed prefix, sliding windows honoured); candidates are the top-k tokens, so tree
     drafts are deterministic (`draft_probs` None) at any temperature.
+A draft model with recurrent layers (Qwen3.5, Granite-4, LFM2: drafters.decode.cache) keeps its own cache layout,
+whose states cannot be cropped: it drafts chains only, and each round's drafted tokens are undone by a
+`StateSnapshot` taken once the committed tokens are fed, so its cache never holds an uncommitted token.
 The proposer never runs the target; it only needs the target's vocabulary size to check that the
 two models share one vocabulary.
 """
@@ -19,6 +22,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from drafters.decode.cache import StateSnapshot, has_recurrent_layers, model_cache
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, frontier_mask
@@ -50,12 +54,17 @@ class DraftModelProposer:
         self.tree = tree
         self.depth = tree.length if isinstance(tree, ChainSpec) else None  # adaptive chains
         self.sliding_window = _sliding_window(model.config)
+        self.recurrent = has_recurrent_layers(model)
+        if self.recurrent and self.depth is None:
+            raise ValueError(f"draft model {type(model).__name__} has recurrent layers, which cannot draft a tree "
+                             "in one forward: use a chain (--tree chain:K)")
         self._new_cache()
 
     def _new_cache(self) -> None:
         # A config-less DynamicCache keeps every layer full-length (croppable); the sliding
         # windows are applied by the model's own masks, or by `_tree_mask` for tree expansion.
-        self.cache = DynamicCache()
+        # Recurrent models get their own layout (conv and recurrent states beside the attention layers).
+        self.cache = model_cache(self.model) if self.recurrent else DynamicCache()
         self.cached = torch.empty(0, dtype=torch.long)  # (C,) tokens whose KV is in the cache
 
     def reset(self, prompt_ids: Tensor, features=None) -> None:
@@ -69,6 +78,12 @@ class DraftModelProposer:
     def propose(self, context: Tensor, pending: int, sampling: SamplingConfig) -> Tree:
         sequence = torch.cat([context.cpu(), torch.tensor([pending])])  # (T+1,)
         logits = self._sync(sequence)  # (V,) draft logits after the pending token
+        if self.recurrent:  # back to the committed tokens once the chain is drafted (module docstring)
+            snapshot, committed = StateSnapshot(self.cache), self.cached
+            chain = self._chain(pending, logits, sampling)
+            snapshot.restore(self.cache)
+            self.cached = committed
+            return chain
         if isinstance(self.tree, ChainSpec):
             return self._chain(pending, logits, sampling)
         tree = self._tree(pending, logits)
@@ -80,7 +95,7 @@ class DraftModelProposer:
     @torch.no_grad()
     def _feed(self, tokens: Tensor) -> Tensor:
         # tokens (n,) appended after the cached ones -> logits (n, V)
-        start = self.cache.get_seq_length()
+        start = int(self.cache.get_seq_length())
         positions = torch.arange(start, start + tokens.numel())
         out = self.model(
             input_ids=tokens[None].to(self.model.device),
@@ -92,7 +107,7 @@ class DraftModelProposer:
         return out.logits[0]
 
     def _crop(self, length: int) -> None:
-        remove = self.cache.get_seq_length() - length
+        remove = int(self.cache.get_seq_length()) - length
         if remove > 0:
             self.cache.crop(-remove)  # transformers 5: a negative count removes that many tokens
         self.cached = self.cached[:length]
@@ -102,6 +117,9 @@ class DraftModelProposer:
         n = min(self.cached.numel(), sequence.numel() - 1)
         same = (self.cached[:n] == sequence[:n]).long()
         common = int(same.cumprod(0).sum()) if n else 0
+        if self.recurrent and common < self.cached.numel():  # a state cannot be cropped: feed it all again
+            self._new_cache()
+            common = 0
         self._crop(common)
         return self._feed(sequence[common:])[-1]
 
