@@ -73,6 +73,16 @@ def test_bad_recipes_fail_with_the_key(tmp_path, text, overrides, message):
         load_recipe(write(tmp_path, text), overrides, schema=Schema)
 
 
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    path = write(tmp_path, "target: t\nsteps: 3\noptim:\n  lr: 1e-3\nsteps: 5\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: key 'steps' is given twice, on line 2 and line 5; keep one"):
+        load_recipe(path, schema=Schema)
+    nested = write(tmp_path, "target: t\noptim:\n  lr: 1e-3\n  lr: 2e-3\n")
+    with pytest.raises(RecipeError, match=r"key 'lr' is given twice, on line 3 and line 4"):
+        load_recipe(nested, schema=Schema)
+    assert load_recipe(write(tmp_path, "target: t\nsteps: 3\n"), ["steps=5"], schema=Schema).steps == 5
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml", schema=Schema)

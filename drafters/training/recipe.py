@@ -100,13 +100,28 @@ def check_override_key(schema: type, override: str) -> None:
         node = next((a for a in (hint_type, *typing.get_args(hint_type)) if dataclasses.is_dataclass(a)), hint_type)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise RecipeError(f"{self.name}: key {key!r} is given twice, on line {seen[key] + 1} and line "
+                                  f"{key_node.start_mark.line + 1}; keep one (or override it as {key}=VALUE)")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
     """The recipe file with the overrides applied, as plain YAML data (not yet checked against a schema)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {path} not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        with path.open() as file:  # the loader's name is the path its messages give
+            raw = yaml.load(file, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
