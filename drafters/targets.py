@@ -221,7 +221,10 @@ class Target:
 def default_eagle3_layers(num_layers: int) -> list[int]:
     layers = [2, num_layers // 2, num_layers - 3]
     if not layers[0] < layers[1] < layers[2]:
-        raise ValueError(f"a {num_layers}-layer target is too shallow for distinct EAGLE-3 layers {layers}")
+        example = [num_layers - 3, num_layers - 2, num_layers - 1] if num_layers >= 3 else None
+        raise TargetError(f"a {num_layers}-layer target is too shallow for the default fused layers [2, L//2, L-3] = "
+                          f"{layers}: set layers= to distinct hidden-state indices in 0..{num_layers}"
+                          + (f", e.g. layers=[{','.join(map(str, example))}]" if example else ""))
     return layers
 
 

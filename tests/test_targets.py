@@ -64,7 +64,9 @@ def test_bfloat16_and_bad_dtype():
 def test_eagle3_default_layers():
     assert default_eagle3_layers(30) == [2, 15, 27]
     assert default_eagle3_layers(8) == [2, 4, 5]
-    with pytest.raises(ValueError, match="too shallow"):
+    # a UserError (entry scripts print it as one sentence), naming the key to set and layers that work
+    with pytest.raises(TargetError, match=r"4-layer target is too shallow .* \[2, 2, 1\]: set layers= to distinct "
+                                          r"hidden-state indices in 0..4, e.g. layers=\[1,2,3\]"):
         default_eagle3_layers(4)
 
 
