@@ -179,3 +179,19 @@ def test_train_rows_keeps_a_subset_of_the_split_and_the_same_held_out_rows(train
     assert set(rows(part_train)) <= set(rows(train))
     with pytest.raises(RecipeError, match="data.train_rows=0 must be >= 1"):
         trainer.main([RECIPE, f"data.path={DATA}", "data.train_rows=0", f"output_dir={tmp_path / 'x'}"])
+
+
+def test_max_length_above_the_targets_context_is_cut_to_it_and_said(trainer):
+    from drafters.targets import load_target
+    from drafters.training.batches import load_examples
+    from drafters.training.families import load_recipe
+
+    recipe = load_recipe([RECIPE, f"data.path={DATA}", "data.max_length=3000"], "train/eagle.py")
+    target = load_target(recipe.target)
+    target.model.config.max_position_embeddings = 48  # shorter than most rows
+    said = []
+    train, held_out = load_examples(recipe, target, say=said.append)
+    lengths = [len(e.input_ids) for e in train + held_out]
+    assert max(lengths) == 48 and any(n < 48 for n in lengths)
+    assert said[0] == ("data.max_length=3000 is above tiny-random-llama's context of 48 positions: rows are cut to "
+                       "48 tokens (set data.max_length=48 or less to have the recipe say so)")

@@ -22,6 +22,7 @@ import torch
 
 from drafters.files import check_writable
 from drafters.targets import load_target
+from drafters.training.batches import max_length_for
 from drafters.training.data import build_examples
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
 from drafters.training.features import Processes, features_header, write_features
@@ -50,11 +51,12 @@ def main(argv: list[str]) -> dict:
     target.model.to(device)
     header = features_header(recipe, target, family)
     data = recipe.data
-    examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length, fmt=data.fmt,
+    say = print if processes.rank == 0 else lambda line: None
+    max_length = max_length_for(target, data.max_length, say)
+    examples, report = build_examples(target.tokenizer, data.path, max_length=max_length, fmt=data.fmt,
                                       split=data.split, limit=data.limit, reasoning=data.reasoning,
                                       template_kwargs=data.chat_template_kwargs)
-    if processes.rank == 0:
-        print(report.summary())
+    say(report.summary())
     return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size,
                           processes=processes, update=recipe.features.update)
 

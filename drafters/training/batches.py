@@ -14,9 +14,21 @@ from drafters.training.recipe import RecipeError
 from drafters.training.schema import Optim
 
 
+def max_length_for(target: Target, max_length: int, say) -> int:
+    """data.max_length, cut to the target's context: a longer row would train on positions the target never saw
+    (and past a learned position table, fail). Said once, as the data report's first line."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context and max_length > context:
+        say(f"data.max_length={max_length} is above {target.name}'s context of {context} positions: rows are cut to "
+            f"{context} tokens (set data.max_length={context} or less to have the recipe say so)")
+        return context
+    return max_length
+
+
 def load_examples(recipe, target: Target, say) -> tuple[list[Example], list[Example]]:
     data = recipe.data
-    examples, report = build_examples(target.tokenizer, data.path, max_length=data.max_length,
+    max_length = max_length_for(target, data.max_length, say)
+    examples, report = build_examples(target.tokenizer, data.path, max_length=max_length,
                                       fmt=data.fmt, split=data.split, limit=data.limit, reasoning=data.reasoning,
                                       template_kwargs=data.chat_template_kwargs)
     say(report.summary())
