@@ -462,7 +462,9 @@ def test_the_split_keeps_a_rows_turns_together(tmp_path):
 
     path = write_jsonl(tmp_path / "many.jsonl", [{"messages": REASONED_CHAT}] * 20)
     recipe = SimpleNamespace(data=Data(path=path, max_length=512, eval_rows=5))
-    train_rows, held_out = load_examples(recipe, SimpleNamespace(tokenizer=thinking_tokenizer()), lambda *_: None)
+    target = SimpleNamespace(tokenizer=thinking_tokenizer(), name="tiny", config=SimpleNamespace(
+        max_position_embeddings=1024))
+    train_rows, held_out = load_examples(recipe, target, lambda *_: None)
     assert len(held_out) == 10 and len(train_rows) == 30  # 5 and 15 rows, two examples each
     assert not {e.row for e in held_out} & {e.row for e in train_rows}
 
