@@ -33,6 +33,10 @@ CASES = {
                         ["<think>\nGreet back.\n</think>\n\nHello!<|im_end|>",
                          "<think>\nAdd them.\n</think>\n\n4.<|im_end|>"],
                         ["<think>\n\n</think>\n\nHello!<|im_end|>", "<think>\n\n</think>\n\n4.<|im_end|>"]),
+    # Qwen3 without thinking: the generation prompt holds the empty think block, so a reasoned turn is a counted skip
+    # that says to switch thinking on (or drop the reasoning), and the answers are trained after the block
+    "Qwen-Qwen3-0.6B+no-thinking": ("<|im_end|>", ["<|im_start|>"], {"enable_thinking": False}, (0, 2),
+                                    SKIPS_REASONING, ["Hello!<|im_end|>", "4.<|im_end|>"]),
     # Qwen3.5: the generation prompt opens the think block; the model writes from inside it
     "Qwen3.5-4B": ("<|im_end|>", ["<|im_start|>"], None, (2, 2),
                    ["Greet back.\n</think>\n\nHello!<|im_end|>", "Add them.\n</think>\n\n4.<|im_end|>"],

@@ -468,21 +468,31 @@ def forced_turn_tokens(tokenizer, messages: list[dict], *, max_length: int | Non
     header = os.path.commonprefix([prompt, render(tokenizer, answered, template_kwargs=template_kwargs)])
     turn = _kept_turn(tokenizer, answered, template_kwargs, len(header))
     forced, written = prompt[len(header):], turn[len(header):]
-    if not forced or not answer.strip() or not written.lstrip().startswith(answer.strip()[:20]):
+    leads_to_answer = answer.strip() and written.lstrip().startswith(answer.strip()[:20])
+    reasoned = bool(reasoning and reasoning.strip())
+    if not forced and leads_to_answer and reasoned:
+        # the generation prompt already holds the closed, empty think block (Qwen3 with enable_thinking false): the
+        # answer has its place, the reasoning has none
+        raise _skips_reasoning(prompt[prompt.rfind("<think>"):] if "<think>" in prompt else prompt[-30:])
+    if not forced or not leads_to_answer:
         raise unplaced or NotPrefixStable(f"the chat template of {tokenizer.name_or_path!r} renders the answer "
                                           "somewhere its generation prompt does not lead to")
     if forced.count("<think>") > forced.count("</think>"):  # the prompt opened a think block: reasoning, then close
         written = f"{(reasoning or '').strip()}\n</think>\n\n{written.lstrip()}"
-    elif reasoning and reasoning.strip():
-        raise RowError("chat template's generation prompt skips the reasoning",
-                       f"its generation prompt ends in {forced!r}, so the model answers without thinking and this "
-                       "turn's reasoning cannot be trained as it was written; set the template's thinking switch "
-                       "(data.chat_template_kwargs, e.g. {enable_thinking: true}), or data.reasoning=answer_only")
+    elif reasoned:
+        raise _skips_reasoning(forced)
     text = prompt + written
     end = _end_of_turn(text, len(prompt), end_of_turn_tokens(tokenizer))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [int(start < end and stop > len(prompt)) for start, stop in encoding["offset_mapping"]]
     return _truncate(encoding["input_ids"], loss_mask, max_length)
+
+
+def _skips_reasoning(prompt_end: str) -> RowError:
+    return RowError("chat template's generation prompt skips the reasoning",
+                    f"its generation prompt ends in {prompt_end!r}, so the model answers without thinking and this "
+                    "turn's reasoning cannot be trained as it was written; set the template's thinking switch "
+                    "(data.chat_template_kwargs, e.g. {enable_thinking: true}), or data.reasoning=answer_only")
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, max_length: int | None = None,
