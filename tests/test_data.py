@@ -499,3 +499,21 @@ def test_tool_calls_under_a_template_without_tool_support_are_a_counted_skip(tmp
     summary = report.summary()
     assert "skipped 1 x tool calls but the chat template renders none" in summary
     assert "skipped 1 x bad tool calls" in summary and "messages[1].tool_calls[0] has no function.name" in summary
+
+
+def test_show_data_prints_a_row_with_its_trained_spans_marked(tmp_path, capsys):
+    from conftest import load_script
+
+    from drafters.training.recipe import RecipeError
+
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": SYSTEM_CHAT}, {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo."},
+        {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Done."}]}])
+    show = load_script("train/show_data.py")
+    blocks = show.main(["recipes/eagle3_tiny.yaml", f"data.path={path}", "--rows", "2"])
+    assert len(blocks) == 1 and blocks[0].startswith(f"--- {path}:2: ")
+    body = blocks[0].split("\n", 1)[1]  # the rendered row; nothing of the prompts or role headers is trained
+    assert body == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n⟦Yo.<|im_end|>⟧\n<|im_start|>user\n"
+                    "And?<|im_end|>\n<|im_start|>assistant\n⟦Done.<|im_end|>⟧\n")
+    with pytest.raises(RecipeError, match=r"--rows 'x': expected comma-separated row numbers"):
+        show.main(["recipes/eagle3_tiny.yaml", "--rows", "x"])
