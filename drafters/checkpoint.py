@@ -13,7 +13,6 @@ so a crash or a full disk never leaves a half-written checkpoint where a reader 
 knows nothing about the families: it stores their config dicts and state dicts as given.
 """
 
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.errors import UserError
 from drafters.files import move_dir_into_place
+from drafters.fingerprint import outer_rows_fingerprint, weights_fingerprint
 
 FORMAT = "drafters/1"
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "model.safetensors"
@@ -62,20 +62,18 @@ def target_info(target) -> dict:
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_position_embeddings,
-        "fingerprint": target_fingerprint(target),
+        # the first fingerprint (embedding, LM head and final norm rows only), kept for the versions that read only
+        # it: they would refuse a checkpoint whose "fingerprint" they cannot reproduce
+        "fingerprint": outer_rows_fingerprint(target),
+        "weights_fingerprint": target_fingerprint(target),
     }
 
 
 def target_fingerprint(target) -> str:
-    """sha256 of a few of the target's weights (the embedding's and the LM head's first and last 4 rows, the final
-    norm), rounded to bf16 first so that the same weights loaded in float32 or bfloat16 agree: another model of the
-    same shape (a fine-tune, another seed) differs. 16 hex digits."""
-    digest = hashlib.sha256()
-    for name, weight in (("embed", target.embed_tokens.weight), ("head", target.lm_head.weight),
-                         ("norm", target.final_norm.weight)):
-        rows = torch.cat([weight[:4], weight[-4:]]) if weight.dim() == 2 else weight
-        digest.update(name.encode() + rows.detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    """A fingerprint of every weight tensor of the target (drafters.fingerprint: each tensor's name, shape and a strided
+    sample of its values, rounded to bf16 so that the same weights loaded in float32 or bfloat16 agree): another model
+    of the same shape (a fine-tune, a merged LoRA, another seed) differs. 16 hex digits."""
+    return weights_fingerprint(target.model)
 
 
 def save_checkpoint(path, *, family: str, config: dict, target: dict, state_dict: dict,
@@ -142,24 +140,40 @@ def nonfinite(tensors: dict) -> list[str]:
 
 def check_target(checkpoint: Checkpoint, target, *, other_weights: str = "refuse") -> None:
     """Refuse to run a drafter against a target it was not built for (silent acceptance collapse). A target of the
-    same shape with other weights (the recorded fingerprint differs: another fine-tune, another seed) is refused,
-    or with other_weights="warn" (measuring tau) said in one line; checkpoints from before fingerprints pass."""
+    same shape with other weights (see `weights_differ`) is refused, or with other_weights="warn" (measuring tau) said
+    in one line."""
     have = target_info(target)
     wrong = [f"{k}: checkpoint {checkpoint.target.get(k)} vs target {have[k]}"
              for k in TARGET_FIELDS if checkpoint.target.get(k) != have[k]]
     if wrong:
         raise CheckpointError(f"{checkpoint.path} was trained for target {checkpoint.target.get('name')!r}, "
                               f"which does not match {target.name!r}: " + "; ".join(wrong))
-    recorded = checkpoint.target.get("fingerprint")
-    if recorded is None or recorded == have["fingerprint"]:
+    message = weights_differ(checkpoint.target, have)
+    if message is None:
         return
-    message = (f"{checkpoint.path} was trained on target {checkpoint.target.get('name')!r} with other weights than "
-               f"{target.name!r} (weights fingerprint {recorded} vs {have['fingerprint']}): the same shape, another "
-               "model; its drafts are for that one")
     if other_weights == "warn":
-        print(f"warning: {message}; tau measured here is not that drafter's on its own target")
+        print(f"warning: {checkpoint.path} {message}; {OTHER_WEIGHTS_TAU}")
         return
-    raise CheckpointError(f"{message}. Use the target it was trained on")
+    raise CheckpointError(f"{checkpoint.path} {message}. Use the target it was trained on")
+
+
+OTHER_WEIGHTS_TAU = "tau measured here is not that drafter's on its own target"
+
+
+def weights_differ(recorded: dict, have: dict) -> str | None:
+    """Why the target whose target_info is `have` is another model than the one a checkpoint recorded (`recorded`,
+    its "target" record), both of the same shape: "was trained on target ... with other weights than ...", or None.
+    Compared: the weights fingerprint (every tensor). A checkpoint written before it records only the first
+    fingerprint (embedding, LM head and final norm rows): compared the old way, blind to the decoder layers; one
+    from before any fingerprint passes."""
+    key = next((k for k in ("weights_fingerprint", "fingerprint") if recorded.get(k) is not None), None)
+    if key is None or recorded[key] == have[key]:
+        return None
+    same_outer = key == "weights_fingerprint" and recorded.get("fingerprint") == have["fingerprint"]
+    return (f"was trained on target {recorded.get('name')!r} with other weights than {have['name']!r} (weights "
+            f"fingerprint {recorded[key]} vs {have[key]}): the same shape, another model"
+            + (" (the same embedding and LM head: a fine-tune of one base, e.g. a merged LoRA)" if same_outer else "")
+            + "; its drafts are for that one")
 
 
 def _fsync_tree(path: Path) -> None:

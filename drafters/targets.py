@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from drafters.dtypes import DTYPES, dtype_name
 from drafters.errors import UserError
 from drafters.files import file_sha256
+from drafters.fingerprint import remember_samples
 from drafters.tiny import TINY_TARGETS, build_tiny_target
 
 
@@ -341,8 +342,11 @@ def load_hf_dir(path: Path, dtype: torch.dtype, hint: str = "", decoder: bool | 
     return model, tokenizer
 
 
-def drop_decoder_layers(model: PreTrainedModel) -> None:
-    """Remove the decoder layers (what decoder=False targets do without); the config still says how many there are."""
+def drop_decoder_layers(model: PreTrainedModel, files: dict | None = None) -> None:
+    """Remove the decoder layers (what decoder=False targets do without); the config still says how many there are.
+    Their weights fingerprint samples stay (drafters.fingerprint), from memory, or from `files` (tensor name ->
+    safetensors file) for layers on the meta device."""
+    remember_samples(model, decoder_of(model).layers, files)
     decoder_of(model).layers = torch.nn.ModuleList()
 
 
@@ -363,16 +367,19 @@ def load_outer_parts(path: Path, dtype: torch.dtype, keep_layers: bool = False) 
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device; buffers (rotary) real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if not keep_layers:
-        drop_decoder_layers(model)
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and getattr(config.get_text_config(), "tie_word_embeddings", False)
-    if tied:  # stored once, as the embedding (from_config on the meta device leaves them apart)
-        head.weight = embed.weight
     where = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), file))
+    if not keep_layers:  # the layers' fingerprint samples are read from their files (a few bytes each)
+        dropped = {id(p) for p in decoder_of(model).layers.parameters()}
+        if any(name not in where for name, p in model.named_parameters() if id(p) in dropped):
+            return None
+        drop_decoder_layers(model, files=where)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and getattr(config.get_text_config(), "tie_word_embeddings", False)
+    if tied:  # stored once, as the embedding (from_config on the meta device leaves them apart)
+        head.weight = embed.weight
     in_layers = {id(p) for p in decoder_of(model).layers.parameters()}
     wanted = [name for name, p in model.named_parameters() if p.is_meta and id(p) not in in_layers]
     layer_names = [name for name, p in model.named_parameters() if id(p) in in_layers]

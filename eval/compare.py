@@ -23,7 +23,9 @@ layout only. `DIR:aux_layers=A,B,C` gives the HF hidden_states indices an EAGLE-
 layer ids drafts from (default: the serving engine's, which the report's settings state).
 
 Refused with a clear error, before anything runs: a drafter directory that is not a checkpoint,
-drafters trained for different targets, or for another target than --target.
+drafters trained for different targets, or for another target than --target. A drafter trained on a model of
+--target's shape with other weights (its checkpoint's weights fingerprint differs) is measured, with a warning at the
+top of index.md.
 """
 
 import argparse
@@ -32,7 +34,8 @@ import re
 import sys
 from pathlib import Path
 
-from drafters.checkpoint import CONFIG_FILE, TARGET_FIELDS, CheckpointError, target_info
+from drafters.checkpoint import (CONFIG_FILE, OTHER_WEIGHTS_TAU, TARGET_FIELDS, CheckpointError, target_info,
+                                 weights_differ)
 from drafters.decode.evaluate import Options, measure  # what eval/tau.py runs, in this process
 from drafters.decode.proposers.loading import CHECKPOINT_LOADERS, load_proposer, proposer_sha256, split_drafter_spec
 from drafters.decode.report import Entry, render
@@ -104,6 +107,7 @@ def main(argv=None) -> Path:
     unique_labels(entries)
     failed += check_trees(entries, target, args)
     entries = [e for e in entries if e.label not in {label for label, _ in failed}]
+    warnings = other_weights_warnings(entries, target)  # at the top of the report, not on the console only
     out = Path(args.out)
     for entry in entries:
         for bench in args.benches:
@@ -112,7 +116,7 @@ def main(argv=None) -> Path:
                                            speed=not args.no_speed))
         for spec in args.sweep:
             entry.sweep.append(evaluate(entry, args, args.benches[0], args.temperatures[0], spec, out, speed=True))
-    settings = [f"target: `{args.target}`", f"benches: {', '.join(args.benches)}"
+    settings = [*warnings, f"target: `{args.target}`", f"benches: {', '.join(args.benches)}"
                 + (f" (first {args.limit} items)" if args.limit else ""),
                 f"max_new_tokens {args.max_new_tokens}" + (f", first {args.max_turns} turn(s)" if args.max_turns else ""),
                 f"main tree: `{args.tree}`", "tau = mean over rounds of accepted draft tokens + 1 (bonus)",
@@ -246,6 +250,14 @@ def check_same_target(entries: list[Entry], target, target_name: str) -> None:
     if differ:
         raise SystemExit(f"compare: the drafters were trained for {first.target.get('name')!r}, not --target "
                          f"{target_name!r}: " + "; ".join(differ))
+
+
+def other_weights_warnings(entries: list[Entry], target) -> list[str]:
+    """A line for each drafter trained on a model of --target's shape with other weights (the weights fingerprint its
+    checkpoint records differs: another fine-tune, a merged LoRA): measured, but its tau is not its own target's."""
+    have = target_info(target)
+    return [f"**warning**: {e.label} {message}; {OTHER_WEIGHTS_TAU}" for e in entries
+            if e.target and (message := weights_differ(e.target, have))]
 
 
 def check_trees(entries: list[Entry], target, args) -> list[tuple[str, str]]:

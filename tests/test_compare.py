@@ -155,3 +155,31 @@ def test_broken_drafters_are_failed_rows_and_the_others_are_still_reported(check
     assert "cannot be read" in not_measured and "truncated or corrupt" in not_measured
     assert f"{corrupt / 'drafter.json'}: not a readable drafter record" in not_measured
     assert "give it a tree" not in text.lower()
+
+
+def test_a_drafter_trained_on_other_weights_is_warned_in_the_report(tmp_path):
+    # the warning that a drafter was trained on another model of --target's shape (here the same model with a LoRA
+    # merged into one decoder layer) reached the console only: index.md reported its tau as the drafter's own
+    from test_export import save_eagle3
+    from test_faults_eval import merged_lora_target
+
+    from drafters.targets import load_target
+
+    checkpoint = save_eagle3(tmp_path / "eagle3_run" / "checkpoint-final", load_target("tiny-random-llama"))
+    lora = merged_lora_target()
+    lora.model.save_pretrained(tmp_path / "lora")
+    lora.tokenizer.save_pretrained(tmp_path / "lora")
+
+    def report(target, out):
+        index = compare.main(["--target", target, "--drafters", str(checkpoint), "--bench", BENCH, "--tree", "chain:1",
+                              "--limit", "1", "--max-new-tokens", "4", "--threads", "1", "--no-speed",
+                              "--out", str(tmp_path / out)])
+        return index.read_text()
+
+    text = report(str(tmp_path / "lora"), "other")
+    warning = re.search(r"^- \*\*warning\*\*: eagle3:eagle3_run was trained on target 'tiny-random-llama' with other "
+                        rf"weights than '{re.escape(str(tmp_path / 'lora'))}' \(weights fingerprint [0-9a-f]{{16}} vs "
+                        r"[0-9a-f]{16}\): the same shape, another model .*merged LoRA.*; its drafts are for that one; "
+                        r"tau measured here is not that drafter's on its own target$", text, re.MULTILINE)
+    assert warning and text.index(warning.group(0)) < text.index("## Results")
+    assert "warning" not in report("tiny-random-llama", "own")  # its own target: nothing said

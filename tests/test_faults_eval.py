@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 from conftest import load_script  # tests/ is on sys.path under pytest
 from safetensors.torch import load_file, save_file
 from test_export import save_eagle3
@@ -285,3 +286,68 @@ def test_a_target_of_the_same_shape_with_other_weights_is_named(tmp_path, target
     with pytest.raises(CheckpointError, match="other weights"):
         from drafters.checkpoint import check_target, load_checkpoint
         check_target(load_checkpoint(checkpoint), other)  # what resume_from runs
+
+
+def merged_lora_target(layer: int = 3, scale: float = 0.02):
+    # the tiny Llama with a rank-4 LoRA merged into one decoder layer's MLP: embeddings, LM head, final norm and
+    # every other tensor unchanged
+    from drafters.targets import Target
+    from drafters.tiny import build_tiny_target
+
+    model, tokenizer = build_tiny_target("tiny-random-llama")
+    weight = model.model.layers[layer].mlp.down_proj.weight
+    generator = torch.Generator().manual_seed(0)
+    b = torch.randn(weight.shape[0], 4, generator=generator) * scale
+    a = torch.randn(4, weight.shape[1], generator=generator) * scale
+    with torch.no_grad():
+        weight.add_(b @ a)
+    return Target(model.eval().requires_grad_(False), tokenizer, "tiny-random-llama")
+
+
+def test_a_target_differing_in_one_decoder_layer_is_named(tmp_path, target, capsys):
+    # the fingerprint read the embedding's and LM head's outer rows and the final norm only: a merged LoRA (a
+    # fine-tune of the decoder layers) passed tau and export without a word. Every tensor is sampled now
+    from drafters.checkpoint import CheckpointError, check_target, target_fingerprint
+    from drafters.decode.tree import parse_tree_spec
+    from drafters.targets import Target
+    from drafters.tiny import build_tiny_target
+
+    lora = merged_lora_target()
+    assert target_info(lora)["fingerprint"] == target_info(target)["fingerprint"]  # the outer rows agree
+    assert target_fingerprint(lora) != target_fingerprint(target)
+    copy = Target(*build_tiny_target("tiny-random-llama"), "tiny-random-llama")  # identical weights
+    assert target_fingerprint(copy) == target_fingerprint(target)
+    checkpoint = save_eagle3(tmp_path / "ckpt", target)
+    message = (r"with other weights than 'tiny-random-llama' \(weights fingerprint [0-9a-f]{16} vs [0-9a-f]{16}\): "
+               r"the same shape, another model \(the same embedding and LM head: a fine-tune of one base, e\.g\. a "
+               r"merged LoRA\); its drafts are for that one")
+    with pytest.raises(ExportError, match=message + r"\. Use the target it was trained on"):
+        export_checkpoint(checkpoint, "sglang", tmp_path / "out", target=lora)
+    with pytest.raises(CheckpointError, match=message):
+        check_target(load_checkpoint(checkpoint), lora)  # what resume_from runs
+    load_proposer(str(checkpoint), lora, parse_tree_spec("chain:2"))  # what eval/tau.py runs: measured, but said
+    out = capsys.readouterr().out
+    assert out.count("warning: ") == 1
+    assert re.search(message + "; tau measured here is not that drafter's on its own target", out)
+    load_proposer(str(checkpoint), copy, parse_tree_spec("chain:2"))
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_checkpoint_with_the_first_fingerprint_only_is_compared_the_old_way(tmp_path, target, capsys):
+    # checkpoints written before the weights fingerprint record only "fingerprint" (outer rows): they still load,
+    # compared as before: another seed is named, a merged LoRA (which that fingerprint cannot see) passes
+    from drafters.checkpoint import CheckpointError, check_target
+    from drafters.targets import Target
+    from drafters.tiny import build_tiny_target
+
+    checkpoint = save_eagle3(tmp_path / "ckpt", target)
+    meta = json.loads((checkpoint / "drafter.json").read_text())
+    del meta["target"]["weights_fingerprint"]
+    (checkpoint / "drafter.json").write_text(json.dumps(meta))
+    old = load_checkpoint(checkpoint)
+    check_target(old, target)
+    check_target(old, merged_lora_target())
+    other = Target(*build_tiny_target("tiny-random-llama", seed=1), "tiny-random-llama")
+    with pytest.raises(CheckpointError, match=r"other weights than 'tiny-random-llama' \(weights fingerprint "
+                                              rf"{meta['target']['fingerprint']} vs [0-9a-f]{{16}}\)"):
+        check_target(old, other)

@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import load_script  # tests/ is on sys.path under pytest
+from drafters.checkpoint import target_info
 from drafters.targets import load_target
 from drafters.training.recipe import RecipeError
 from test_distributed import CONFIGS, free_port, launch, on_two_cpus, one, rows, weights  # noqa: F401  (fixture)
@@ -51,6 +52,7 @@ def test_two_processes_compute_one_processs_features_holding_half_the_layers(tmp
     outer = info["whole"] - layers  # embeddings (tied head) and final norm: whole on every process
     assert info["whole"] == sum(p.numel() for p in target.model.parameters()) and not info["read_by_shards"]
     assert info["held"] == [outer + layers // 2] * 2  # every tensor of these layers has an even first dimension
+    assert info["fingerprint"] == target_info(target)["weights_fingerprint"]  # the layers' samples kept before
 
 
 def test_a_model_directory_is_read_shard_by_shard_into_the_same_features(tmp_path):
@@ -73,6 +75,7 @@ def test_a_model_directory_is_read_shard_by_shard_into_the_same_features(tmp_pat
     assert info["held"][0] - info["held"][1] == up // 129
     outer = info["whole"] - sum(p.numel() for p in target.decoder_layers.parameters())
     assert sum(info["held"]) == info["whole"] + outer  # the layers once between the two, the outer parts twice
+    assert info["fingerprint"] == target_info(target)["weights_fingerprint"]  # the layers' samples read from files
 
 
 def test_a_run_with_the_target_split_trains_as_one_process(one, tmp_path):  # noqa: F811  (the fixture)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters.checkpoint import target_info
 from drafters.targets import TargetError, load_target
 from drafters.tiny import build_tiny_target
 from conftest import load_script  # tests/ is on sys.path under pytest
@@ -36,6 +37,7 @@ def test_the_outer_tensors_equal_the_whole_models_and_nothing_else_is_held(tmp_p
         assert torch.equal(weight, whole.model.get_parameter(name)), name
     assert (light.lm_head.weight is light.embed_tokens.weight) == (untied is None)
     assert not light.has_decoder and whole.has_decoder and light.num_layers == whole.num_layers == 8
+    assert target_info(light) == target_info(whole)  # its weights fingerprint reads the layers' files
     hidden = torch.randn(3, 64)
     assert torch.equal(light.lm_head(light.final_norm(hidden)), whole.lm_head(whole.final_norm(hidden)))
     with pytest.raises(TargetError, match="was loaded without its decoder layers .* it has no forward"):
@@ -65,6 +67,7 @@ def test_weights_named_otherwise_load_whole_and_drop_the_layers(tmp_path):
     light, whole = load_target(str(tmp_path), decoder=False), load_target(str(tmp_path))
     assert not light.has_decoder and torch.equal(light.lm_head.weight, model.lm_head.weight)
     assert torch.equal(whole.lm_head.weight, model.lm_head.weight)
+    assert target_info(light) == target_info(whole)  # the layers' fingerprint samples kept when they were dropped
 
 
 def test_a_run_from_a_store_loads_no_decoder_layer_and_trains_as_online(tmp_path, capsys):
@@ -79,7 +82,7 @@ def test_a_run_from_a_store_loads_no_decoder_layer_and_trains_as_online(tmp_path
     assert "its 8 decoder layers are not loaded: the features come from the store" in capsys.readouterr().out
     assert offline.losses == pytest.approx(online.losses, rel=1e-5)
     assert offline.eval["step_acc"] == pytest.approx(online.eval["step_acc"])
-    # the checkpoint records the same target (its fingerprint reads the outer tensors only)
+    # the checkpoint records the same target (its fingerprint reads the layers' samples from their files)
     stored = [json.loads((tmp_path / run / "checkpoint-final" / "drafter.json").read_text())["target"]
               for run in ("online", "offline")]
     assert stored[0] == stored[1]

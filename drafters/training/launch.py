@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from drafters.fingerprint import remember_samples
 from drafters.targets import resolve_precision
 from drafters.training.recipe import RecipeError
 
@@ -116,6 +117,9 @@ def split_target(target, accelerator) -> tuple[int, int]:
     from torch.distributed.fsdp import fully_shard
 
     whole = sum(p.numel() for p in target.model.parameters())
+    # the weights fingerprint of the layers held whole (a shard has a part of them; those on the meta device are
+    # read from their files)
+    remember_samples(target.model, target.decoder_layers)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     for layer in target.decoder_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)

@@ -10,6 +10,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
+from drafters.checkpoint import target_info
 from drafters.targets import load_target
 from drafters.training.launch import split_target
 from drafters.training.recipe import exit_launched_process
@@ -34,13 +35,14 @@ def main(out: str, name: str) -> None:
     first = target.features(ids, mask, layers=LAYERS, pre_norm_last=True, logits=True)
     second = target.features(ids[:, :9], mask[:, :9], layers=LAYERS, logits=True)
     helds = accelerator.gather(torch.tensor([held]))
+    fingerprint = target_info(target)["weights_fingerprint"]  # every process: no collective, layers sharded
     if accelerator.is_main_process:
         save_file({**{f"hidden_{i}": first.hidden_states[i] for i in LAYERS}, "last": first.last_hidden,
                    "pre_norm": first.pre_norm_last, "logits": first.logits, "second_logits": second.logits},
                   f"{out}.safetensors")
         with open(f"{out}.json", "w") as f:
             json.dump({"held": helds.tolist(), "whole": whole, "processes": accelerator.num_processes,
-                       "read_by_shards": read_by_shards}, f)
+                       "read_by_shards": read_by_shards, "fingerprint": fingerprint}, f)
     accelerator.wait_for_everyone()
 
 
