@@ -208,8 +208,12 @@ def test_a_new_run_into_an_earlier_runs_directory_is_refused_unless_asked(uninte
 def test_resume_latest_of_a_finished_run_without_step_checkpoints_is_refused(tmp_path):
     out = tmp_path / "run"
     train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0")
-    with pytest.raises(RecipeError, match=r"holds a finished run \(checkpoint-final\) and no resumable"):
+    with pytest.raises(RecipeError, match=r"checkpoint-final: the run finished at step 2, this run's last step "
+                                          r"\(max_steps / epochs\), so there is nothing to continue; raise max_steps"):
         train("recipes/eagle3_tiny.yaml", out, "max_steps=2", "save_every=0", "resume_from=latest")
+    # its checkpoint-final resumes: a finished run with no checkpoint-<step> at all is continued
+    assert train("recipes/eagle3_tiny.yaml", out, "max_steps=3", "save_every=0", "resume_from=latest").steps == 3
+    assert [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     with pytest.raises(RecipeError, match="set only one of them"):
         train("recipes/eagle3_tiny.yaml", out, "resume_from=latest", "overwrite_output_dir=true")
 
@@ -255,7 +259,7 @@ def test_resume_with_a_changed_data_file_is_refused_unless_allowed(tmp_path):
     assert train("recipes/eagle3_tiny.yaml", allowed, f"data.path={data}", "resume_from=latest",
                  "allow_recipe_changes=true").steps == 6
     # checkpoints of older versions recorded no hash: nothing to compare, resumed as before
-    meta_path = out / "checkpoint-2" / "drafter.json"  # the newest resumable one
+    meta_path = out / "checkpoint-final" / "drafter.json"  # the newest resumable one (step 4)
     meta = json.loads(meta_path.read_text())
     del meta["extra"]["data_sha256"]
     meta_path.write_text(json.dumps(meta))

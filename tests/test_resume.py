@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.checkpoint import load_checkpoint
 from drafters.draft_vocab import DraftVocab
+from drafters.training.batches import lr_factor
+from drafters.training.families import load_recipe
 from drafters.training.recipe import RecipeError
 from drafters.training.loop import NonFiniteLoss
 from drafters.training.resume import earlier_run_files
@@ -156,8 +159,61 @@ def test_resume_from_another_family_or_target_is_refused(uninterrupted, tmp_path
     (other / "drafter.json").write_text(json.dumps({**meta, "family": "medusa"}))
     with pytest.raises(RecipeError, match="a 'medusa' checkpoint, but this recipe trains 'eagle3'"):
         train(tmp_path / "f", f"resume_from={other}")
+    bare = tmp_path / "exported"  # a checkpoint without the trainer state, as an export or an older checkpoint-final
+    shutil.copytree(uninterrupted / "checkpoint-final", bare, ignore=shutil.ignore_patterns("trainer"))
     with pytest.raises(RecipeError, match="not a resumable checkpoint"):
-        train(tmp_path / "h", f"resume_from={uninterrupted / 'checkpoint-final'}")
+        train(tmp_path / "h", f"resume_from={bare}")
+
+
+def test_extending_a_finished_run_continues_from_its_final_state(tmp_path, capsys):
+    # resume_from=latest max_steps=6 on a run finished at step 4 (checkpoint-2, checkpoint-final) goes on at step 5:
+    # resuming checkpoint-2, the newest numbered one, redid steps 3 and 4 and replaced the finished checkpoint-final
+    out, older = tmp_path / "run", tmp_path / "older"
+    train(out, "max_steps=4")
+    before = losses(out)
+    # an older version's checkpoint-final holds no trainer state: refused, and left as it is
+    shutil.copytree(out, older)
+    shutil.rmtree(older / "checkpoint-final" / "trainer", ignore_errors=True)
+    final = (older / "checkpoint-final" / "model.safetensors").read_bytes()
+    with pytest.raises(RecipeError, match=r"resume_from=latest: .*checkpoint-final \(step 4\) holds no trainer state "
+                                          r".*resuming checkpoint-2 would train steps 3-4 again and replace it; "
+                                          r"start a new run from its weights \(init_from="):
+        train(older, "resume_from=latest", "max_steps=6")
+    assert (older / "checkpoint-final" / "model.safetensors").read_bytes() == final
+    assert losses(older) == before
+    capsys.readouterr()
+    summary = train(out, "resume_from=latest", "max_steps=6")
+    assert f"resumed from {out / 'checkpoint-final'} at step 4" in capsys.readouterr().out
+    assert summary.steps == 6 and load_checkpoint(out / "checkpoint-final").extra["step"] == 6
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6] and losses(out)[:4] == before
+    # step 5 takes its lr from the 6-step schedule, not from the finished 4-step one (whose cosine had reached 0)
+    optim = load_recipe([RECIPE]).optim
+    assert rows[4]["lr"] == pytest.approx(optim.lr * lr_factor(optim, 6, 4)) and lr_factor(optim, 4, 4) == 0
+    # nothing left to train: said, not a second evaluation and save of the same weights
+    with pytest.raises(RecipeError, match=r"the run finished at step 6, this run.s last step .*nothing to continue"):
+        train(out, "resume_from=latest", "max_steps=6")
+
+
+def test_resuming_an_init_from_run_needs_no_init_from_checkpoint(uninterrupted, tmp_path, capsys):
+    # The run's checkpoints hold every weight it started from (here grown to 96 draft ids) and its vocabulary: its
+    # init_from checkpoint, gone since, is not needed to resume it. Every other check still applies
+    start, out = tmp_path / "start", tmp_path / "from"
+    shutil.copytree(uninterrupted / "checkpoint-4", start)
+    recipe = [f"init_from={start}", "grow_vocab=true", "draft_vocab_size=96"]
+    train(out, *recipe)
+    whole = weights(out)
+    shutil.rmtree(start)
+    resume = f"resume_from={out / 'checkpoint-4'}"
+    with pytest.raises(RecipeError, match=r"recipe changed[\s\S]*optim.lr: 0.001 -> 0.002"):
+        train(out, *recipe, resume, "optim.lr=2e-3")
+    capsys.readouterr()
+    summary = train(out, *recipe, resume)
+    said = f"init_from={start} is gone: the drafter's weights and draft vocabulary are those of {out / 'checkpoint-4'}"
+    assert said in capsys.readouterr().out
+    assert summary.steps == 6
+    resumed = weights(out)
+    assert resumed["d2t"].numel() == 96 and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 def test_keep_last_prunes_old_step_checkpoints(tmp_path):

@@ -18,7 +18,8 @@ Writes to output_dir (relative paths in the recipe are relative to the current d
     metrics.jsonl       one row per optimizer step (rewritten by each run), flushed at log steps; step_loss /
                         step_acc list the family's loss parts (per TTT step, block slot, depth or head)
     eval.jsonl          one row per held-out evaluation
-    checkpoint-{step}/  every save_every steps (resumable), and checkpoint-final/ (drafters.checkpoint format)
+    checkpoint-{step}/  every save_every steps, and checkpoint-final/ (drafters.checkpoint format); both resume:
+                        resume_from=latest with a higher max_steps continues a finished run from its end
 Metrics come from the main process's batches; tokens/s counts real (non-pad) tokens of all processes.
 """
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from accelerate.utils import set_seed
 
+from drafters.checkpoint import load_checkpoint
 from drafters.training.batches import length_sorted_batches, pad_id, train_loader
 from drafters.training.data import collate
 from drafters.training.dflash import DFlashRecipe, build_dflash, evaluate_dflash, format_dflash_eval
@@ -46,7 +47,14 @@ from drafters.training.loop import Summary, fit, start_run
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, read_recipe
-from drafters.training.resume import field_default, initial_checkpoint, initial_vocab, load_initial_weights
+from drafters.training.resume import (
+    field_default,
+    init_from_gone,
+    initial_checkpoint,
+    initial_vocab,
+    load_initial_weights,
+    load_resumed_weights,
+)
 from drafters.training.schema import load_train_recipe
 
 
@@ -168,8 +176,11 @@ def train(recipe, tag: str | None = None) -> Summary:
         store.check(recipe, target, family)
         say(store.summary())
     family.check_rows(recipe, train_rows)
-    start = initial_checkpoint(recipe, target)  # init_from: refused here, before any work, when it cannot start this run
-    grow_vocab = getattr(recipe, "grow_vocab", False)  # only the families with a reduced draft vocabulary have it
+    # init_from: refused here, before any work, when it cannot start this run. A resumed run whose init_from is gone
+    # takes its weights and vocabulary from its own checkpoint instead, which is grown already (init_from_gone)
+    gone = init_from_gone(recipe, resume)
+    start = load_checkpoint(resume) if gone else initial_checkpoint(recipe, target)
+    grow_vocab = getattr(recipe, "grow_vocab", False) and not gone  # only the families with a draft vocabulary have it
     vocab = None
     if family.draft_vocab:  # init_from's vocabulary as it is, or (grow_vocab, or a fresh run) counted on this data
         kept = initial_vocab(start) if start is not None else None
@@ -177,7 +188,9 @@ def train(recipe, tag: str | None = None) -> Summary:
             choose_draft_vocab(recipe, target, train_rows, say, keep=kept)
     set_seed(recipe.seed)  # the drafter's initialisation and nothing before it
     objective = family.build(recipe, target, train_rows, vocab, say)
-    if start is not None:  # (a resumed run then loads its own on top)
+    if gone:
+        load_resumed_weights(objective.drafter, start, recipe.init_from, say)
+    elif start is not None:  # (a resumed run then loads its own on top)
         load_initial_weights(objective.drafter, start, say, grow_vocab=grow_vocab,
                              grow_layers=getattr(recipe, "grow_layers", False))  # EAGLE-3's
     pad = pad_id(target)

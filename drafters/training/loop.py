@@ -186,14 +186,14 @@ class StopRequests:
 
 
 def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_steps: int,
-               start_step: int = 0, start: Position | None = None) -> list[float]:
-    """Optimizer steps start_step+1 .. total_steps. `run` (a training script's Run) provides
-    micro_step(batch, acc) -> summed metric tensors, log (MetricsLog), flush_due(step, total),
-    reduce_sum, periodic(step, total, position) (evaluation, checkpoints), save(path, step,
-    result, position), rows_of(pass, micro) -> 'file:line' of a micro-batch's rows, recipe,
-    accelerator and objective. Ctrl-C or SIGTERM lets the running step finish, then saves a
-    resumable checkpoint of it (StopRequests); a non-finite loss stops before the optimizer applies
-    it (the last checkpoint stays the last good one)."""
+               start_step: int = 0, start: Position | None = None) -> tuple[list[float], Position]:
+    """Optimizer steps start_step+1 .. total_steps -> (losses, the data position after the last step).
+    `run` (a training script's Run) provides micro_step(batch, acc) -> summed metric tensors, log
+    (MetricsLog), flush_due(step, total), reduce_sum, periodic(step, total, position) (evaluation,
+    checkpoints), save(path, step, result, position), rows_of(pass, micro) -> 'file:line' of a
+    micro-batch's rows, recipe, accelerator and objective. Ctrl-C or SIGTERM lets the running step
+    finish, then saves a resumable checkpoint of it (StopRequests); a non-finite loss stops before
+    the optimizer applies it (the last checkpoint stays the last good one)."""
     from tqdm import tqdm
 
     recipe, accelerator, objective = run.recipe, run.accelerator, run.objective
@@ -241,7 +241,7 @@ def train_loop(run, optimizer, scheduler, loader, sampler: LengthBuckets, total_
             else:
                 passes, micro = passes + 1, 0
     bar.close()
-    return run.log.losses
+    return run.log.losses, position
 
 
 def save_and_exit(run, step: int, position: Position, signal_name: str | None) -> None:
@@ -292,13 +292,16 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
     step, position, resumed = 0, Position(), None
     if resume is not None:
         step, position, tokens = load_run_state(accelerator, resume, total_steps)
+        follow_schedule(scheduler, step)
         resumed = (step, tokens)
         say(f"{name}: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
     run = family.run(family, recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler,
                      resumed, whole)
-    losses = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
+    losses, position = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
     result = run.evaluate(total_steps)
-    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result)
+    # resumable, so that raising max_steps continues the finished run (resume_from=latest takes it) rather than
+    # training again the steps after its newest checkpoint-<step>; written atomically over an earlier one
+    checkpoint = run.save(output_dir / "checkpoint-final", total_steps, result, position)
     say(f"{name}: {total_steps} steps, {run.tokens_total} tokens; saved {checkpoint}")
     if run.sink is not None:
         run.sink.finish()
@@ -307,6 +310,14 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
         accelerator.wait_for_everyone()  # threads from aborting the process at interpreter exit: run_main skips it
         accelerator.end_training()  # (drafters.training.recipe.exit_launched_process)
     return summary
+
+
+def follow_schedule(scheduler, step: int) -> None:
+    """The resumed run's next step takes its lr from this run's schedule: the restored optimizer holds the lr the
+    saved run's schedule set last, which is another once max_steps changed (a finished run's cosine had reached 0,
+    so its continuation's first step would not move). The same value when nothing changed: resume stays exact."""
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # sets every param group's lr to base lr x lr_factor(step) and get_last_lr() with it
 
 
 class Run(Protocol):
@@ -387,7 +398,7 @@ class RunBase:
         return self.whole
 
     def save(self, path: Path, step: int, result: dict | None, position: Position | None = None) -> Path:
-        """checkpoint-final: the drafter only; with a data position: resumable (trainer state too)."""
+        """The drafter's checkpoint; with a data position (every one the loop saves): resumable, trainer state too."""
         self.tokens_total = self.log.tokens_total
         drafter = self.whole_drafter()
         checkpoint = {"family": self.recipe.drafter, "config": asdict(self.drafter.config),

@@ -5,6 +5,7 @@ position, written atomically), a full disk, and resume's checks (same family, ta
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import typing
@@ -86,8 +87,8 @@ def save_run_checkpoint(accelerator, path: Path, step: int, position: Position |
     """A checkpoint that also resumes: the drafter files (drafters.checkpoint) plus trainer/ =
     accelerate's state (optimizer, lr scheduler, RNG states of every process, and the prepared
     model, sharded as the engine shards it) and the data position, all in one atomic write.
-    position None: the drafter files only (checkpoint-final), by the main process. Called by every
-    process; `checkpoint` = save_checkpoint's keyword arguments."""
+    position None: the drafter files only, by the main process. Called by every process; `checkpoint` =
+    save_checkpoint's keyword arguments."""
     path = Path(path)
     with disk_full_says(path):
         if position is None:
@@ -141,17 +142,13 @@ def disk_full_says(path: Path):
 
 
 def resume_checkpoint(recipe, say) -> Path | None:
-    """recipe.resume_from: null (fresh run), 'latest' (newest complete checkpoint-<step> of output_dir,
+    """recipe.resume_from: null (fresh run), 'latest' (the newest complete resumable checkpoint of output_dir,
     skipping damaged ones with a printed line; a fresh run when there is none) or a checkpoint directory."""
     if recipe.resume_from is None:
         return None
     if recipe.resume_from != "latest":
         return resumable(Path(recipe.resume_from))
-    found = [p for _, p in step_checkpoints(recipe.output_dir) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
-    if not found and (Path(recipe.output_dir) / "checkpoint-final").is_dir():
-        raise RecipeError(f"resume_from=latest: {recipe.output_dir} holds a finished run (checkpoint-final) and "
-                          "no resumable checkpoint-<step> to continue; set overwrite_output_dir=true (and "
-                          "resume_from=null) to train it again, or choose another output_dir")
+    found = resumable_checkpoints(Path(recipe.output_dir))
     for path in reversed(found):
         problem = damage(path)
         if problem is None:
@@ -161,6 +158,46 @@ def resume_checkpoint(recipe, say) -> Path | None:
         raise RecipeError(f"resume_from=latest: every checkpoint in {recipe.output_dir} is damaged (see above); "
                           "set overwrite_output_dir=true (and resume_from=null) to start over")
     return None
+
+
+def resumable_checkpoints(output_dir: Path) -> list[Path]:
+    """The checkpoints of output_dir that resume, oldest first: checkpoint-<step> and a finished run's
+    checkpoint-final, at its step. So raising max_steps continues a finished run from its end: the newest numbered
+    checkpoint is older than it, and resuming that would train its steps again and replace it. At the same step a
+    checkpoint-<step> counts as the newer: only a later run, resumed from an earlier checkpoint, writes one there."""
+    found = [(step, 1, p) for step, p in step_checkpoints(output_dir) if (p / TRAINER_DIR / POSITION_FILE).is_file()]
+    final = output_dir / "checkpoint-final"
+    if (final / TRAINER_DIR / POSITION_FILE).is_file():  # unreadable: first in line, where damage() names it
+        step = final_step(final)
+        found.append((math.inf if step is None else step, 0, final))
+    elif final.is_dir():
+        check_final_is_behind(final, found)
+    return [path for *_, path in sorted(found)]
+
+
+def final_step(final: Path) -> int | None:
+    """The step checkpoint-final was saved at (drafter.json's extra.step); None when unreadable."""
+    try:
+        return int(json.loads((final / "drafter.json").read_text())["extra"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_final_is_behind(final: Path, found: list[tuple[int, int, Path]]) -> None:
+    """A checkpoint-final without trainer state (written by an older version of drafters) cannot be continued; the
+    checkpoint-<step> resume_from=latest would take instead is only right when it is newer (an interrupted later
+    run). Otherwise resuming it would rewind the finished run and replace its checkpoint-final: refused."""
+    step = final_step(final)
+    newest = found[-1] if found else None
+    if newest is not None and step is not None and newest[0] > step:
+        return
+    said = f"resume_from=latest: {final}" + (f" (step {step})" if step is not None else "") + " holds no trainer " \
+        "state (an older version of drafters wrote it), so the finished run cannot be continued from it"
+    start_anew = f"start a new run from its weights (init_from={final}, another output_dir)"
+    if newest is None or step is None:
+        raise RecipeError(f"{said}; {start_anew}, or train it again (overwrite_output_dir=true, resume_from=null)")
+    raise RecipeError(f"{said}, and resuming {newest[2].name} would train steps {newest[0] + 1}-{step} again and "
+                      f"replace it; {start_anew}, or name resume_from={newest[2]} to train those steps again")
 
 
 def check_trusted(path: Path, recipe) -> None:
@@ -179,8 +216,8 @@ def check_trusted(path: Path, recipe) -> None:
 def resumable(path: Path) -> Path:
     if not (path / TRAINER_DIR / POSITION_FILE).is_file():
         raise RecipeError(f"resume_from={path}: not a resumable checkpoint (no {TRAINER_DIR}/{POSITION_FILE}); "
-                          "checkpoint-<step> directories of a training run are, exported ones and "
-                          "checkpoint-final are not")
+                          "the checkpoint-<step> and checkpoint-final directories of a training run are, exported "
+                          "ones and the checkpoint-final of older versions of drafters are not")
     problem = damage(path)
     if problem is not None:
         raise RecipeError(f"resume_from={path}: the checkpoint is incomplete: {problem}; resume an earlier one "
@@ -280,6 +317,28 @@ def initial_checkpoint(recipe, target):
     return ckpt
 
 
+def init_from_gone(recipe, resume: Path | None) -> bool:
+    """A resumed init_from run whose init_from checkpoint is gone by now (moved, pruned, on another machine). Its
+    own checkpoint holds every weight the run started from (grown, then trained) and its draft vocabulary, and the
+    resume restores them: it takes init_from's place (families.train) rather than the resume being refused."""
+    return resume is not None and recipe.init_from is not None and \
+        not (Path(recipe.init_from) / "drafter.json").is_file()
+
+
+def load_resumed_weights(drafter, ckpt, init_from: str, say) -> None:
+    """init_from_gone: the drafter takes the resumed checkpoint's weights, which must be every one it has (the resume
+    then restores them with the trainer state); the recipe's other checks are check_resume's, already passed."""
+    own, theirs = drafter.state_dict(), ckpt.state_dict
+    lacking = [key for key, value in own.items() if key not in theirs or theirs[key].shape != value.shape]
+    if lacking:
+        raise RecipeError(f"init_from={init_from} is gone and resume_from={ckpt.path} lacks weights of the drafter "
+                          f"this recipe builds ({', '.join(lacking[:4])}{', ...' if len(lacking) > 4 else ''}); put "
+                          "init_from's checkpoint back, or resume with the recipe that checkpoint was trained with")
+    drafter.load_state_dict({key: theirs[key] for key in own}, strict=True)
+    say(f"init_from={init_from} is gone: the drafter's weights and draft vocabulary are those of {ckpt.path}, "
+        "which holds every one")
+
+
 def initial_vocab(ckpt):
     """The draft vocabulary of init_from's checkpoint: a run started from its weights keeps its vocabulary (the
     LM head's rows are its ids), whatever draft_vocab_size / draft_vocab_coverage would count on the new data."""
@@ -371,6 +430,9 @@ def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Posi
     if meta["step"] > total_steps:  # else the final checkpoint would carry its weights under step total_steps
         raise RecipeError(f"resume_from={path}: the checkpoint is at step {meta['step']}, past this run's last step "
                           f"{total_steps} (max_steps / epochs); raise max_steps or resume an earlier checkpoint")
+    if meta["step"] == total_steps and path.name == "checkpoint-final":  # resumed, it would only be saved again
+        raise RecipeError(f"resume_from={path}: the run finished at step {total_steps}, this run's last step "
+                          "(max_steps / epochs), so there is nothing to continue; raise max_steps to train it further")
     if meta["num_processes"] != accelerator.num_processes:
         raise RecipeError(f"resume_from={path}: saved by {meta['num_processes']} processes, resumed with "
                           f"{accelerator.num_processes}; the data position and RNG states need the same count")
