@@ -471,8 +471,9 @@ def test_a_port_another_server_holds_is_not_taken_for_ours(tiny, cache, monkeypa
         with LlamaServer(target_file) as server:  # the first pick is taken: the second port is ours
             assert server.port != taken and server.complete(prompts(tiny)[0], 2).tokens
         monkeypatch.setattr(llama_cpp, "free_port", lambda: taken)
-        with pytest.raises(LlamaCppError, match=rf"another server answers on port {taken} \(serving "
-                                                r"/somebody/else.gguf\) \(tried 3 ports\)"):
+        with pytest.raises(LlamaCppError, match=rf"port {taken} is held by another process \(pid {os.getpid()}: .*, "
+                                                r"serving /somebody/else.gguf\), not by the llama-server started here, "
+                                                r"so its answers would not be ours \(tried 3 ports\)"):
             with LlamaServer(target_file, ready_timeout=60):
                 pass
     finally:

@@ -223,3 +223,77 @@ def test_tool_call_conversations_are_a_counted_skip(regenerate, tmp_path):
     stats = regenerate.main([RECIPE, f"data={data}", f"output={tmp_path / 'out.jsonl'}"])
     assert stats.written == 1 and [r["id"] for r in read_rows(tmp_path / "out.jsonl")] == ["plain"]
     assert stats.skipped == {"tool calls (their results depend on the calls; train on the row as it is)": 1}
+
+
+@pytest.mark.parametrize("fault, reason", [("HTTP 500", "HTTP 500"), ("empty body", "empty reply"),
+                                           ("empty reply", "empty reply"), ("connection", "connection")])
+def test_a_server_failing_every_completion_stops_the_run_early(regenerate, tmp_path, fault, reason):
+    # a server whose /v1/models answers but whose every completion fails was asked every conversation, retries and
+    # backoff included, before exit 3: ~15 s per conversation per worker, hours over a data set (issue 60, fault 4).
+    # BROKEN_AFTER_FAILURES conversations in a row given up, whatever the failure, stop the run, the rows kept
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from drafters.engines.openai_api import ServerError
+    from drafters.training.regenerate import BROKEN_AFTER_FAILURES
+
+    answered, lock, asked = 5, threading.Lock(), []  # the first 5 conversations are answered, then it breaks
+
+    class Broken(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def answer(self, status, out):
+            body = b"" if out is None else json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # /v1/models: named like the target
+            self.answer(200, {"data": [{"id": "tiny-random-llama"}]})
+
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            reply = {"choices": [{"text": "abc", "finish_reason": "stop",
+                                  "logprobs": {"content": [{"id": 65, "logprob": -0.1}]}}],
+                     "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
+            if "logprobs" in request:  # the probe's requests (only they ask for log-probs): answered
+                return self.answer(200, reply)
+            with lock:
+                asked.append(self.path)
+                n = len(asked)
+            if n <= answered:
+                return self.answer(200, reply)
+            if fault == "HTTP 500":
+                return self.answer(500, {"error": {"code": 500, "message": "broken"}})
+            if fault == "empty body":
+                return self.answer(200, None)
+            if fault == "empty reply":
+                reply["choices"][0]["text"] = ""
+                return self.answer(200, reply)
+            self.close_connection = True  # connection: closed without a reply
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question {i}?"}) + "\n" for i in range(50)))
+    output = tmp_path / "regen.jsonl"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    concurrency, retries = 2, 1
+    try:
+        with pytest.raises(ServerError, match=rf"looks broken: {BROKEN_AFTER_FAILURES} conversations in a row failed "
+                                              rf"after {retries} retries each \({BROKEN_AFTER_FAILURES} {reason}\), "
+                                              rf"the last with {reason}.*; {answered} rows were written to "
+                                              r".*regen.jsonl and are kept: check the server"):
+            regenerate.main([RECIPE, f"data={data}", f"output={output}", "engine=auto",
+                             f"url=http://127.0.0.1:{server.server_address[1]}", f"retries={retries}", "backoff=0.01", "request_timeout=5",
+                             f"concurrency={concurrency}", "probe_agreement=0"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    # at most the conversations in flight when the run stopped were asked besides: not all 50, each with its retries
+    assert len(asked) <= answered + (BROKEN_AFTER_FAILURES + concurrency) * (retries + 1)
+    text = output.read_text()
+    assert text.endswith("\n") and sorted(json.loads(line)["conversations"][-1]["content"]
+                                          for line in text.splitlines()) == ["abc"] * answered

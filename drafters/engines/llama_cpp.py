@@ -219,13 +219,80 @@ class PortTaken(Exception):
     """Another process answers on the port picked for a new llama-server (LlamaServer tries another)."""
 
 
+# where a connection to 127.0.0.1 goes, as /proc/net/tcp and tcp6 write the local address: 127.0.0.1 and any
+# address (IPv4); :: and ::ffff:127.0.0.1 (IPv6)
+_LOOPBACK_V4 = {"0100007F", "00000000"}
+_LOOPBACK_V6 = {"0" * 32, "0000000000000000FFFF00000100007F"}
+
+
+def _listening(port: int) -> tuple[set[int], set[int]] | None:
+    """(IPv4, IPv6) inodes of the TCP sockets listening where a connection to 127.0.0.1:port may go, from
+    /proc/net; None where that cannot be read (not Linux)."""
+    found, readable = ([], []), False
+    for k, (table, addresses) in enumerate((("tcp", _LOOPBACK_V4), ("tcp6", _LOOPBACK_V6))):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()
+            address, _, hex_port = fields[1].partition(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port and address.upper() in addresses:  # 0A: LISTEN
+                found[k].append(int(fields[9]))
+    return (set(found[0]), set(found[1])) if readable else None
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[3])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _sockets(pid: int) -> set[int]:
+    """Inodes of the sockets process `pid` holds open (none where its fds cannot be read: another user's)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _holder(inodes: set[int]) -> str:
+    """Which process holds one of these sockets, in words, for an error message."""
+    for pid in _pids():
+        if _sockets(pid) & inodes:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                command = b""
+            command = command.decode(errors="replace").strip()
+            return f"pid {pid}: {command[:120]}" if command else f"pid {pid}"
+    return "a process of another user"
+
+
 PORT_ATTEMPTS = 3
 
 
 class LlamaServer:
     """`with LlamaServer(model, draft=..., spec_type="draft-eagle3", n_max=3) as server:` a llama-server
     on a free loopback port, ready when the block starts and stopped when it ends (its whole process
-    group, also on error and Ctrl-C). Requests take and return token ids, so both engines read the
+    group, also on error and Ctrl-C). Ready means ours: on Linux the socket answering on the port must be
+    the process it started (/proc), so another server there, even one serving the same GGUF, is refused, and
+    no request is sent once ours has exited. Requests take and return token ids, so both engines read the
     same input. With n_max, p_min is llama.cpp's --spec-draft-p-min: a round's drafting stops at the first
     draft whose probability (the drafter's top-1, renormalised over its top 10) is below it; 0 drafts all
     n_max, and a value above 1 drafts nothing while the drafter still runs its first step every round. `slots` requests are decoded in parallel, batched into one forward per step; `alias` is the
@@ -288,9 +355,12 @@ class LlamaServer:
                 self._wait_ready()
                 return self
             except PortTaken as taken:
+                tail = self.log_tail()
                 self.stop()
                 if attempt + 1 == PORT_ATTEMPTS:
-                    raise LlamaCppError(f"{taken} (tried {PORT_ATTEMPTS} ports)") from None
+                    said = f"; llama-server's last lines:\n{tail}" if tail else ""
+                    raise LlamaCppError(f"llama-server could not start: {taken} (tried {PORT_ATTEMPTS} ports)"
+                                        f"{said}") from None
             except BaseException:
                 self.stop()
                 raise
@@ -300,22 +370,62 @@ class LlamaServer:
         self._restore_sigterm()
 
     def _wait_ready(self) -> None:
+        # Ready when our port answers /health and /props with the model path we passed, and the socket listening
+        # there is the process we started (its session: start_new_session). Another server on the port, even one
+        # serving the same GGUF, is never taken for ours: ours dies on the clash, and every completion would come
+        # from the other one (no drafts where a drafter was asked for), measured as ours
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                if self._answering() is not None:  # it lost the port to a server that was there first
-                    raise PortTaken(f"another server answers on port {self.port}")
+                other = self._other_holder()
+                if other is not None or self._answering() is not None:  # it lost the port to a server there first
+                    raise PortTaken(self._taken(other or "its process id cannot be read here"))
                 raise LlamaCppError(f"llama-server exited with status {self.process.returncode} before it was "
                                     f"ready ({' '.join(self.command()[1:])}):\n{self.log_tail()}")
             serving = self._answering()
             if serving is not None:
-                # ours only if it serves the model path we passed and our process is the one alive
-                if serving != as_arg(self.model):
-                    raise PortTaken(f"another server answers on port {self.port} (serving {serving})")
-                if self.process.poll() is None:
+                other = self._other_holder()
+                if other is not None:
+                    raise PortTaken(self._taken(other, serving))
+                if serving != as_arg(self.model):  # where /proc cannot say whose it is (not Linux)
+                    raise PortTaken(self._taken("its process id cannot be read here", serving))
+                if self._ours() and self.process.poll() is None:
                     return
             time.sleep(0.25)
         raise LlamaCppError(f"llama-server was not ready within {self.ready_timeout:.0f} s:\n{self.log_tail()}")
+
+    def _taken(self, who: str, serving: str | None = None) -> str:
+        serving = f", serving {serving}" if serving else ""
+        return (f"port {self.port} is held by another process ({who}{serving}), not by the llama-server started "
+                "here, so its answers would not be ours")
+
+    def _other_holder(self) -> str | None:
+        """The other process whose socket takes connections to our port, in words; None when there is none, or
+        where that cannot be told (no /proc)."""
+        listening = _listening(self.port)
+        if listening is None:
+            return None
+        v4, v6 = listening
+        mine = self._session_sockets()
+        # a foreign IPv4 listener shares or takes 127.0.0.1:port (SO_REUSEPORT, or bound first); a foreign IPv6
+        # one only matters while ours listens nowhere (once ours holds 127.0.0.1:port, connections go to it)
+        others = (v4 - mine) | (v6 - mine if not (v4 | v6) & mine else set())
+        return _holder(others) if others else None
+
+    def _ours(self) -> bool:
+        """The socket listening on our port is our process's (True where that cannot be told: no /proc)."""
+        listening = _listening(self.port)
+        if listening is None:
+            return True
+        return bool((listening[0] | listening[1]) & self._session_sockets())
+
+    def _session_sockets(self) -> set[int]:
+        """The sockets held by the process we started and any process it started (its session)."""
+        inodes = _sockets(self.process.pid)
+        for pid in _pids():
+            if pid != self.process.pid and _session(pid) == self.process.pid:
+                inodes |= _sockets(pid)
+        return inodes
 
     def _stop_on_sigterm(self) -> None:
         # SIGTERM's default action ends Python without unwinding, so no `with` block stopped the server: while one
@@ -357,16 +467,25 @@ class LlamaServer:
         return "\n".join(text[-lines:])
 
     def post(self, path: str, body: dict, timeout: float = 600) -> dict:
+        self._check_alive(path)
         request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read())
+                out = json.loads(response.read())
+            self._check_alive(path)  # an answer on our port after ours exited is another process's
+            return out
         except urllib.error.HTTPError as err:
             raise LlamaCppError(f"llama-server refused {path}: {err.code} {err.read().decode(errors='replace')[:500]}") \
                 from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
             raise LlamaCppError(f"llama-server did not answer {path} ({err}):\n{self.log_tail()}") from None
+
+    def _check_alive(self, path: str) -> None:
+        if not self.alive():
+            status = "was never started" if self.process is None else f"exited with status {self.process.returncode}"
+            raise LlamaCppError(f"llama-server on port {self.port} {status}, so {path} is not asked: whatever "
+                                f"answers there now is another process:\n{self.log_tail()}")
 
     def complete(self, prompt_ids: list[int], n_predict: int, timeout: float = 600) -> Completion:
         """Greedy (temperature 0) continuation of `prompt_ids`, stopped at EOS or n_predict tokens."""

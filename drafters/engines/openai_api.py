@@ -96,6 +96,8 @@ class OpenAIServer:
             reason = getattr(err, "reason", err)
             label = "timeout" if isinstance(reason, TimeoutError) or "timed out" in str(reason) else "connection"
             raise Transient(label, str(reason)) from None
+        if not raw.strip():
+            raise Transient("empty reply", f"HTTP {response.status} with an empty body")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

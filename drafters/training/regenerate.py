@@ -15,7 +15,9 @@ Where the replies come from (`engine`):
   (api=chat sends messages plus the template, and refuses a server whose prompt token count shows it
   used another). Transient failures (connection, timeout, HTTP 429/5xx, malformed JSON, an empty
   reply) are retried with exponential backoff; a conversation that still fails is not written, and
-  is counted and named in the report (re-running retries it). Before any row is written, the
+  is counted and named in the report (re-running retries it); BROKEN_AFTER_FAILURES conversations in a
+  row given up, whatever the failure, stop the run early (the server is hung or broken), the rows
+  written so far kept. Before any row is written, the
   server must serve the target: by name (/v1/models) and by a probe (its greedy replies to three
   fixed prompts, scored token by token against the in-process target's argmax).
 - `llama-server`: starts the project's llama.cpp build (`bash .ci/llama-cpp`) on a free loopback
@@ -362,22 +364,19 @@ def run_server(client: OpenAIServer, target, todo, recipe: Recipe, output: Path,
         thread.start()
     try:
         with open(output, "a", encoding="utf-8") as out, tqdm(total=len(todo), unit="conv") as bar:
-            timeouts = 0  # conversations given up in a row after timing out
+            failed = Counter()  # reason -> conversations given up in a row after their retries (a row resets it)
             for _ in range(len(todo)):
                 conversation, result = next_result(results, alive, where, log_tail, stats)
-                timeouts = timeouts + 1 if isinstance(result, RowFailure) and result.reason == "timeout" else 0
                 if isinstance(result, RowFailure):
+                    failed[result.reason] += 1
                     with stats.lock:
                         stats.given_up[result.reason] += 1
                         stats.given_up_ids.append(conversation.id)
                     if result.reason == "connection" and not reachable(client):
                         raise ServerError(f"{where} stopped answering ({result}); {stats.written} rows were written "
                                           f"to {output}: re-run the same command to continue where it stopped")
-                    if timeouts >= GONE_AFTER_TIMEOUTS:  # it accepts connections, answers nothing: a hung server
-                        raise ServerError(f"{where} stopped answering: {timeouts} conversations in a row timed out "
-                                          f"(request_timeout={recipe.request_timeout} s, {recipe.retries} retries each); "
-                                          f"{stats.written} rows were written to {output}: re-run the same command to "
-                                          "continue where it stopped once the server answers")
+                    if failed.total() >= BROKEN_AFTER_FAILURES:  # stopped before the rest fail alike, retries and all
+                        raise ServerError(broken(failed, result, where, recipe, output, stats, log_tail))
                 elif isinstance(result, BaseException):
                     raise result
                 elif result is not None:
@@ -385,6 +384,7 @@ def run_server(client: OpenAIServer, target, todo, recipe: Recipe, output: Path,
                     out.write(json.dumps({**result, "generator": row_generator}, ensure_ascii=False) + "\n")
                     out.flush()  # a row and its newline are one write: a crash leaves whole rows only
                     stats.written += 1
+                    failed.clear()
                 stats.seconds = time.perf_counter() - start
                 bar.update(1)
                 bar.set_postfix_str(f"{stats.tokens_per_second():.1f} tok/s, {sum(stats.given_up.values())} given up")
@@ -403,7 +403,24 @@ class Incomplete(UserError):
         self.stats = stats  # what the run did, as a complete run returns it
 
 
-GONE_AFTER_TIMEOUTS = 3  # conversations in a row that timed out after their retries: the server is gone
+# conversations in a row given up after their retries, whatever the failure (timeouts, HTTP 5xx, empty replies, reset
+# connections...): the server is hung or broken, and the rest would fail alike, each after its retries and backoff
+# (~15 s per conversation per worker by default: hours over a data set)
+BROKEN_AFTER_FAILURES = 3
+
+
+def broken(failed: Counter, last: RowFailure, where: str, recipe: Recipe, output: Path, stats: Stats, log_tail) -> str:
+    rows = f"{stats.written} rows were written to {output} and are kept"
+    if set(failed) == {"timeout"}:  # it accepts connections, answers nothing: a hung server
+        return (f"{where} stopped answering: {failed.total()} conversations in a row timed out "
+                f"(request_timeout={recipe.request_timeout} s, {recipe.retries} retries each); {rows}: re-run the "
+                "same command to continue where it stopped once the server answers")
+    kinds = ", ".join(f"{n} {reason}" for reason, n in failed.most_common())
+    tail = log_tail()
+    return (f"{where} looks broken: {failed.total()} conversations in a row failed after {recipe.retries} retries each "
+            f"({kinds}), the last with {last}; {rows}: check the server (its log, one request to it by hand), then "
+            "re-run the same command to continue where it stopped"
+            + (f"\nthe server's last lines:\n{tail}" if tail else ""))
 
 
 def next_result(results: queue.Queue, alive, where: str, log_tail, stats: Stats):
