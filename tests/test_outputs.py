@@ -58,6 +58,15 @@ def test_regeneration_output_is_checked_before_the_target_loads(blocked, no_targ
                          f"output={blocked[1]}"])
 
 
+def test_regeneration_report_is_checked_before_the_target_loads(blocked, no_target, tmp_path):
+    # it was written after every row: an unwritable report= was a traceback once hours of rows were done
+    regenerate = load_script("train/regenerate.py")
+    with pytest.raises(OutputError, match=r"report= .*a-file/report.json cannot be written"):
+        regenerate.main([str(ROOT / "recipes/tiny_regenerate.yaml"), f"data={ROOT}/tests/data/tiny_prompts.jsonl",
+                         f"output={tmp_path / 'rows.jsonl'}", f"report={blocked[0]}/report.json"])
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
 def test_tau_json_is_checked_before_the_target_loads(blocked, no_target, tmp_path):
     bench = tmp_path / "prompts.jsonl"
     bench.write_text(json.dumps({"prompt": "hi"}) + "\n")

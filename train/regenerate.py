@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+from drafters.files import write_text_atomic
 from drafters.training.recipe import load_recipe, run_main
 from drafters.training.regenerate import Incomplete, Recipe, Stats, regenerate
 
@@ -42,9 +43,9 @@ def main(argv: list[str]) -> Stats:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     print_report(stats, Path(recipe.output), recipe)
-    if recipe.report:
+    if recipe.report:  # checked writable before any work (drafters.training.regenerate.regenerate)
         Path(recipe.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(recipe.report).write_text(json.dumps({
+        write_text_atomic(recipe.report, json.dumps({
             "engine": stats.engine, "written": stats.written, "resumed": stats.resumed, "tokens": stats.tokens,
             "seconds": stats.seconds, "tokens_per_s": stats.tokens_per_second(), "cut": stats.cut,
             "skipped": dict(stats.skipped), "retried": dict(stats.retried), "given_up": dict(stats.given_up),

@@ -121,6 +121,8 @@ def regenerate(recipe: Recipe, stats: Stats) -> Stats:
     counted into `stats` as it goes (so a caller interrupted by Ctrl-C still knows what was written)."""
     check(recipe)
     check_writable(recipe.output, "output=", directory=False)  # before the target, the server and the probe
+    if recipe.report:  # written after every row: refused now, not once hours of rows are done
+        check_writable(recipe.report, "report=", directory=False)
     engine = choose_engine(recipe)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
