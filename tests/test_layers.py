@@ -1,4 +1,4 @@
-"""The folder a module sits in says what it may import (README "Layout"):
+"""The folder a module sits in says what it may import (docs/layout.md):
 
     drafters/*.py          foundation and one file per drafter family: imports only drafters/*.py
     drafters/engines/      external serving engines driven as programs (llama.cpp): + drafters/engines
