@@ -241,6 +241,14 @@ def block_label_rows(anchors: Tensor, block_size: int) -> Tensor:
     return anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)
 
 
+def block_prev_ids(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """-> (B, N, Bk-1) teacher-forced prev of slot j = 1..Bk-1: token a+j-1 (the anchor for j = 1), the token
+    the target committed before slot j's label, which DSpark's Markov head reads (drafters.dspark). Positions past
+    the row's end are clamped (their labels never count: block_label_mask)."""
+    rows = block_label_rows(anchors, block_size).clamp(max=input_ids.shape[1] - 1)  # a+j-1
+    return input_ids.gather(1, rows.flatten(1)).view_as(rows)
+
+
 def block_label_mask(anchors: Tensor, keep: Tensor, loss_mask: Tensor, block_size: int) -> Tensor:
     """-> (B, N, Bk-1) bool: slot j's label counts (token a+j learnt, inside the row, block kept)."""
     seq_len = loss_mask.shape[1]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from drafters.dflash import DFlashConfig, DFlashDrafter, block_label_rows
+from drafters.dflash import DFlashConfig, DFlashDrafter
 
 VARIANTS = ("vanilla",)  # llama.cpp's converter refuses any other markov_head_type
 
@@ -102,11 +102,3 @@ class DSparkDrafter(DFlashDrafter):
         """-> (...,) logit of P(the slot's draft is accepted); sigmoid gives llama.cpp's confidence."""
         _, e = self.markov_head(prev)
         return self.confidence_head(normed, e)
-
-
-def block_prev_ids(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
-    """-> (B, N, Bk-1) teacher-forced prev of slot j = 1..Bk-1: token a+j-1 (the anchor for j = 1), the token
-    the target committed before slot j's label. Positions past the row's end are clamped (their labels never
-    count: drafters.dflash.block_label_mask)."""
-    rows = block_label_rows(anchors, block_size).clamp(max=input_ids.shape[1] - 1)  # a+j-1
-    return input_ids.gather(1, rows.flatten(1)).view_as(rows)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
-from drafters.layers import DraftAttention, DraftKVCache, TTTKeys, llama_config, target_layer_fields
+from drafters.layers import DraftAttention, DraftKVCache, TTTKeys, llama_config, target_layer_fields, ttt_input_ids
 from drafters.losses import FusedLinearHead
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
@@ -131,33 +131,6 @@ class Eagle3DeeperLayer(nn.Module):
         drafter without changing what it drafts."""
         self.self_attn.o_proj.weight.zero_()
         self.mlp.down_proj.weight.zero_()
-
-
-# ---- training-time test: which inputs, labels and keys step i uses --------------------------
-
-def shift_left(x: Tensor, n: int) -> Tensor:
-    """x (B, T, ...) -> y with y[:, t] = x[:, t+n], zeros past the end."""
-    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
-
-
-def ttt_input_ids(input_ids: Tensor, step: int) -> Tensor:
-    # step i at position t reads token_{t+1+i} (the target's sequence, teacher-forced tokens)
-    return shift_left(input_ids, 1 + step)  # (B, T); positions past the end read id 0 (no label)
-
-
-# Labels of step i exist for positions t = 0 .. T-2-i (later positions have no target row).
-# Step i at t has read token_{t+1+i} and predicts token_{t+2+i}; the target's logits at row t+1+i
-# are its distribution over token t+2+i, so label[:, t] = target row t+1+i. The label counts iff
-# token t+2+i is supervised: loss_mask[t+2+i] (drafters.training.data: loss_mask[s] = 1 iff token s is a
-# token to learn), 0 past the end of the row.
-
-def ttt_label_rows(target_rows: Tensor, step: int) -> Tensor:
-    return target_rows[:, 1 + step:]  # (B, T, ...) -> (B, T-1-i, ...), row t = target row t+1+i
-
-
-def ttt_label_mask(loss_mask: Tensor, step: int) -> Tensor:
-    num_rows = loss_mask.shape[1] - 1 - step
-    return shift_left(loss_mask, 2 + step)[:, :num_rows]  # (B, T-1-i), t -> loss_mask[t+2+i]
 
 
 LLAMA_LAYER_WEIGHTS = ({f"self_attn.{p}_proj.weight" for p in "qkvo"}

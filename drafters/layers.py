@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+ENGINE_AUX_LAYERS = 3  # fused target layers the engines read: SGLang and vLLM build fc with in_features = 3 x hidden
+
 
 def target_layer_fields(config) -> dict:
     """A target's HF config -> the layer fields every drafter config holds (vocab and positions: the target's)."""
@@ -195,3 +197,29 @@ class DraftKVCache:
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
+
+# ---- training-time test: which inputs, labels and keys step i uses --------------------------
+
+def shift_left(x: Tensor, n: int) -> Tensor:
+    """x (B, T, ...) -> y with y[:, t] = x[:, t+n], zeros past the end."""
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
+
+
+def ttt_input_ids(input_ids: Tensor, step: int) -> Tensor:
+    # step i at position t reads token_{t+1+i} (the target's sequence, teacher-forced tokens)
+    return shift_left(input_ids, 1 + step)  # (B, T); positions past the end read id 0 (no label)
+
+
+# Labels of step i exist for positions t = 0 .. T-2-i (later positions have no target row).
+# Step i at t has read token_{t+1+i} and predicts token_{t+2+i}; the target's logits at row t+1+i
+# are its distribution over token t+2+i, so label[:, t] = target row t+1+i. The label counts iff
+# token t+2+i is supervised: loss_mask[t+2+i] (drafters.training.data: loss_mask[s] = 1 iff token s is a
+# token to learn), 0 past the end of the row.
+
+def ttt_label_rows(target_rows: Tensor, step: int) -> Tensor:
+    return target_rows[:, 1 + step:]  # (B, T, ...) -> (B, T-1-i, ...), row t = target row t+1+i
+
+
+def ttt_label_mask(loss_mask: Tensor, step: int) -> Tensor:
+    num_rows = loss_mask.shape[1] - 1 - step
+    return shift_left(loss_mask, 2 + step)[:, :num_rows]  # (B, T-1-i), t -> loss_mask[t+2+i]

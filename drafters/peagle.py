@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from drafters.draft_vocab import DraftVocab
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
-from drafters.layers import DraftKVCache
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.layers import DraftKVCache, shift_left
 
 
 @dataclass

@@ -219,6 +219,55 @@ class Target:
         return list(layers)
 
 
+def logit_scale(config) -> float:
+    """The factor the target multiplies its LM head's output by before the softmax: 1 / logits_scaling (Granite),
+    logit_scale (Cohere), else 1. A head that skips it gives labels at another temperature: the same argmax, a
+    distribution off by a mean total variation of about 0.5 on a Granite config."""
+    text = config.get_text_config()
+    scale = 1.0
+    if getattr(text, "logits_scaling", None):
+        scale /= float(text.logits_scaling)
+    if getattr(text, "logit_scale", None) is not None and text.model_type.startswith("cohere"):
+        scale *= float(text.logit_scale)
+    return scale
+
+
+class FrozenHead:
+    """The target's output head as the drafter uses it; holds the target's modules (not registered, not
+    saved, never trained). x (..., h) -> logits (..., V):
+        pre_norm: softcap(s * lm_head(final_norm(x)))     normed: softcap(s * lm_head(x))
+    s = logit_scale(config) (Granite's 1 / logits_scaling, Cohere's logit_scale, else 1); softcap(z) = c * tanh(z / c)
+    where the target has a final-logit softcap c (Gemma-2 style), else z: the model's own forward, transform for
+    transform (tests/test_targets.py compares them)."""
+
+    def __init__(self, lm_head: torch.nn.Module, final_norm: torch.nn.Module | None, softcap: float | None = None,
+                 scale: float = 1.0):
+        self.lm_head, self.final_norm, self.softcap, self.scale = lm_head, final_norm, softcap, scale
+
+    @classmethod
+    def from_target(cls, target, feature: str) -> "FrozenHead":
+        softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+        return cls(target.lm_head, target.final_norm if feature == "pre_norm" else None, softcap,
+                   logit_scale(target.config))
+
+    @property
+    def out_features(self) -> int:  # V, as nn.Linear names it
+        return self.lm_head.weight.shape[0]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.to(self.lm_head.weight.dtype)  # a float32 drafter on a bf16 target
+        if self.final_norm is not None:
+            # .forward, not __call__: the decoder's capture hook on this norm (drafters.decode.decoder) must
+            # only ever see the target's own pre-norm states, never the drafter's
+            x = self.final_norm.forward(x)
+        logits = self.lm_head(x)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 def default_eagle3_layers(num_layers: int) -> list[int]:
     layers = [2, num_layers // 2, num_layers - 3]
     if not layers[0] < layers[1] < layers[2]:

@@ -4,7 +4,7 @@ transformers' own config class, saved to a directory as a user's model would be)
     python eval/architectures.py [--only llama,qwen3_next] [--families eagle3,dflash] [--json out.json]
 
 Steps, each ok or the first line of what stopped it:
-    labels   the soft labels (drafters.eagle1.FrozenHead on the final hidden state) against the model's own
+    labels   the soft labels (drafters.targets.FrozenHead on the final hidden state) against the model's own
              softmax(forward): mean total variation, which must be below 1e-4 (logit scales and softcaps applied)
     train    the family's tiny recipe (recipes/{family}_tiny.yaml) on the model's directory, 2 optimizer steps
     decode   the trained drafter in the tree decoder, greedy, on a chain of 3 and a 4-node static tree: equal to
@@ -27,9 +27,8 @@ from drafters.decode.decoder import speculative_generate
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.sampling import SamplingConfig
 from drafters.decode.tree import parse_tree_spec
-from drafters.eagle1 import FrozenHead
 from drafters.export.dispatch import EXPORT_FORMATS, export_checkpoint
-from drafters.targets import TargetFeatures, load_target
+from drafters.targets import FrozenHead, TargetFeatures, load_target
 from drafters.tiny import TINY_ARCHITECTURES, build_tiny_architecture
 from drafters.training.families import load_recipe, train
 

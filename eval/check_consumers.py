@@ -44,9 +44,10 @@ from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
 from drafters.draft_vocab import build_draft_vocab
-from drafters.dspark import DSparkConfig, DSparkDrafter, block_prev_ids
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features, shift_left
-from drafters.layers import DraftKVCache
+from drafters.dflash import block_prev_ids
+from drafters.dspark import DSparkConfig, DSparkDrafter
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
+from drafters.layers import DraftKVCache, shift_left
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.eagle3_reader import read_eagle3_export
 from drafters.export.dflash import read_dflash_export

@@ -38,12 +38,13 @@ from transformers import GenerationConfig  # noqa: E402
 
 from drafters.checkpoint import load_checkpoint  # noqa: E402
 from drafters.decode.autotree import time_verify  # noqa: E402
-from drafters.decode.decoder import speculative_generate, synced_clock  # noqa: E402
+from drafters.decode.decoder import speculative_generate  # noqa: E402
 from drafters.decode.proposers.loading import load_proposer  # noqa: E402
 from drafters.decode.referee import parting  # noqa: E402
 from drafters.decode.tree import parse_tree_spec  # noqa: E402
 from drafters.registry import FAMILIES  # noqa: E402
 from drafters.targets import load_target  # noqa: E402
+from drafters.timing import synced_clock  # noqa: E402
 from drafters.training.families import load_recipe, train  # noqa: E402
 from drafters.training.scale import (  # noqa: E402
     SHAPES,

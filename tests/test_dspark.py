@@ -29,9 +29,9 @@ from drafters.decode.proposers.dspark import dspark_proposer_from_checkpoint
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import parse_tree_spec
-from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
+from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, block_prev_ids, sample_anchors
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
-from drafters.dspark import DSparkConfig, DSparkDrafter, block_prev_ids
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle3 import fuse_features
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
-from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
-from drafters.layers import DraftKVCache
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.layers import DraftKVCache, shift_left
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.eagle1 import check_eagle1_export, expected_shapes
@@ -25,7 +25,7 @@ from drafters.decode.proposers.eagle1 import load_eagle1_proposer
 from drafters.decode.proposers.loading import load_proposer
 from drafters.training.recipe import RecipeError
 from drafters.decode.sampling import SamplingConfig, warp
-from drafters.targets import Target
+from drafters.targets import FrozenHead, Target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
 from conftest import greedy_reference, train_tiny, untied_llama  # tests/ is on sys.path under pytest

@@ -6,15 +6,15 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import drafters.layers as layers
 from drafters.draft_vocab import build_draft_vocab
-from drafters.layers import DraftKVCache, ttt_attention, ttt_attention_mask
-from drafters.eagle3 import (
-    Eagle3Config,
-    Eagle3Drafter,
-    fuse_features,
+from drafters.layers import (
+    DraftKVCache,
+    ttt_attention,
+    ttt_attention_mask,
     ttt_input_ids,
     ttt_label_mask,
     ttt_label_rows,
 )
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.losses import soft_cross_entropy_draft_vocab
 from drafters.training.eagle3 import ttt_loss
 

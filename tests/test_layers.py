@@ -8,7 +8,9 @@
     drafters/training/     recipes, data, loop, objectives, feature store: anything in drafters
     train/, eval/          entry scripts: anything in drafters, never each other
 
-and no module imports another that (directly or not) imports it back. Every import counts, at module
+and no module imports another that (directly or not) imports it back. A drafter family's modules (drafters/<family>.py
+and its namesakes under training/, export/ and decode/proposers/) import another family's only where they build on
+it: its declared parents (FAMILY_PARENTS); what every family shares lives in the foundation. Every import counts, at module
 level or inside a function: a cycle hidden in a function is still a cycle.
 
 The checker runs on the repository and on a planted copy that breaks each rule once, so a checker
@@ -31,6 +33,22 @@ ALLOWED = {
     "training": {"core", "engines", "export", "decode", "training"},
     "scripts": {"core", "engines", "export", "decode", "training"},
 }
+
+
+# family -> the families its modules may import: the ones it subclasses or extends ("heads" is the module the
+# multi-head families share, and the one that trains, drafts and exports both)
+FAMILY_PARENTS = {
+    "eagle3": set(), "eagle1": set(), "dflash": {"eagle3"}, "dspark": {"dflash", "eagle3"}, "peagle": {"eagle3"},
+    "medusa": {"heads"}, "blockwise": {"heads"}, "heads": {"medusa", "blockwise"},
+}
+# the one import against it, with why it stays: to be split (an exporter of its own for DSpark)
+FAMILY_EXCEPTIONS = {("drafters.export.dflash", "drafters.dspark"): "DSpark's vllm layout is DFlash's plus its heads, "
+                                                                     "written and read back by DFlash's exporter"}
+
+
+def family(name: str) -> str | None:
+    stem = name.split(".")[-1]
+    return stem if name.startswith("drafters.") and stem in FAMILY_PARENTS else None
 
 
 def module_name(root: Path, file: Path) -> str:
@@ -97,6 +115,10 @@ def violations(root: Path) -> list[str]:
                 problems.append(f"{name} imports the entry script {dep}: move what both need into drafters/")
             elif layer(dep) not in ALLOWED[layer(name)]:
                 problems.append(f"{name} ({layer(name)}) imports {dep} ({layer(dep)})")
+            elif family(name) and family(dep) and family(dep) != family(name) and \
+                    family(dep) not in FAMILY_PARENTS[family(name)] and (name, dep) not in FAMILY_EXCEPTIONS:
+                problems.append(f"{name} (family {family(name)}) imports {dep} (family {family(dep)}), not a declared "
+                                "parent: move what both need into the foundation")
         if layer(name) == "scripts":
             tree = ast.parse(modules[name].read_text())
             for node in ast.walk(tree):
@@ -143,6 +165,12 @@ def test_the_repository_keeps_its_layers():
     assert violations(ROOT) == []
 
 
+def test_the_family_rule_knows_every_family():
+    from drafters.registry import FAMILIES
+
+    assert set(FAMILY_PARENTS) == set(FAMILIES) | {"heads"}
+
+
 def write(root: Path, rel: str, text: str = "") -> None:
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +189,8 @@ def write(root: Path, rel: str, text: str = "") -> None:
     ({"eval/b.py": "import sys\nsys.path.insert(0, '.')\n"}, "eval.b loads code by file path (sys.path)"),
     ({"drafters/a.py": "from drafters import b\n", "drafters/b.py": "def f():\n    import drafters.a\n"},
      "import cycle: drafters.a -> drafters.b -> drafters.a"),
+    ({"drafters/eagle1.py": "", "drafters/training/eagle3.py": "from drafters.eagle1 import FrozenHead\n"},
+     "drafters.training.eagle3 (family eagle3) imports drafters.eagle1 (family eagle1), not a declared parent"),
 ])
 def test_a_planted_violation_is_reported(tmp_path, planted, expected):
     for rel in ("drafters/__init__.py", "drafters/training/__init__.py", "drafters/training/loop.py",

@@ -357,7 +357,7 @@ def test_the_label_head_is_the_models_own_forward(config_class, overrides):
     # the labels every family trains on come from FrozenHead over the final-normed hidden state; they must be the
     # model's own logits, every head transform included (Granite and Cohere once trained on unscaled logits: the
     # same argmax, another distribution)
-    from drafters.eagle1 import FrozenHead
+    from drafters.targets import FrozenHead
 
     target = tiny_target(getattr(transformers, config_class), **overrides)
     target.lm_head.weight.mul_(30)  # logits of a few units, as a trained model's: the transforms then matter

@@ -53,10 +53,11 @@ from transformers import DynamicCache
 from drafters.acceptance import depth_acceptance, tree_tau
 from drafters.checkpoint import CONFIG_FILE
 from drafters.decode.benches import render_prompt
-from drafters.decode.decoder import speculative_generate, synced_clock, tree_forward
+from drafters.decode.decoder import speculative_generate, tree_forward
 from drafters.decode.sampling import SamplingConfig
 from drafters.decode.tree import Tree, parse_tree_spec
 from drafters.targets import with_cache
+from drafters.timing import synced_clock
 
 CANDIDATES = ("chain:1", "chain:2", "chain:3", "chain:4", "chain:5", "chain:6",
               "dynamic:total=6,depth=3,topk=2", "dynamic:total=10,depth=4,topk=3",

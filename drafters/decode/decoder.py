@@ -31,6 +31,7 @@ from drafters.decode.proposers import Proposer, TargetNeeds
 from drafters.decode.sampling import SamplingConfig, sample, warp
 from drafters.decode.tree import Tree
 from drafters.targets import PreNormCapture, TargetFeatures, with_cache
+from drafters.timing import synced_clock
 
 
 @dataclass
@@ -273,13 +274,6 @@ def _on(tree: Tree, device, pending: int) -> Tree:
         return tree
     probs = None if tree.draft_probs is None else tree.draft_probs.to(device)
     return Tree(tree.tokens.to(device), tree.parents.to(device), probs)
-
-
-def synced_clock(device) -> float:
-    # timing only: CUDA kernels are asynchronous, so wait for them at phase boundaries
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return perf_counter()
 
 
 def _check_supported(model, max_new_tokens: int) -> None:

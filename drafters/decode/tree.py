@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.decode.sampling import sample_without_replacement
+from drafters.decode.sampling import sample_without_replacement, warp
 from drafters.errors import UserError
 
 # EAGLE-1 default tree (SafeAILab/EAGLE, eagle/model/choices.py `mc_sim_7b_63`): 25 draft nodes, depth 5.
@@ -453,6 +453,26 @@ def ranked_draws(q: Tensor, draws: int, generator: torch.Generator | None = None
         drawn = sample_without_replacement(q[row], draws, generator)  # (<= draws,)
         scores[row, drawn] = -torch.arange(drawn.numel(), dtype=q.dtype, device=q.device)
     return scores
+
+
+def rows_expander(rows: Tensor, to_target: Callable[[Tensor, float], Tensor], sampling, draws: int,
+                  generator: torch.Generator | None = None):
+    # -> (expand, probs) for build_tree when one drafter pass gave each depth its own row (DFlash's block slots,
+    # P-EAGLE's rows; rows (K, Vd)): row d ranks the children of every depth-d node, whatever was drafted above it.
+    # expand(Frontier at depth d) -> (F, V) scores over target ids (to_target(x (F, Vd), fill) scatters a draft
+    # vocabulary): draft log-probs (top-k drafts) or, with draws > 0, `draws` samples per node without replacement
+    # ranked in draw order; probs[node] = (V,) the warped q its children were drawn from.
+    probs = {}
+
+    def expand(frontier: Frontier) -> Tensor:
+        row = rows[frontier.depth][None].expand(len(frontier.nodes), -1)  # (F, Vd)
+        if not draws:
+            return to_target(row.float().log_softmax(-1), float("-inf"))
+        q = to_target(warp(row, sampling), 0.0)  # (F, V) float32, identical rows
+        probs.update(zip(frontier.nodes.tolist(), q))
+        return ranked_draws(q, draws, generator)  # independent draws per node
+
+    return expand, probs
 
 
 @lru_cache

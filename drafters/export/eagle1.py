@@ -36,13 +36,14 @@ import torch
 
 from drafters.checkpoint import Checkpoint
 from drafters.dtypes import DTYPES
-from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
                                     export_files, export_target, load_source, refuse_export, state_problems)
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout,
                                      compare_with_source, config_dtype, float_dtype, get_field, llama_default,
                                      note_defaults, read_json, read_tensors, rebuild, rope_fields)
 from drafters.layers import DraftKVCache
+from drafters.targets import FrozenHead
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 

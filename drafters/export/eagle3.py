@@ -39,8 +39,8 @@ from drafters.checkpoint import Checkpoint
 from drafters.eagle3 import NORM_OPTIONS, Eagle3Config
 from drafters.export.common import (CONFIG_FILE, WEIGHTS_FILE, ExportError, decoder_fields, export_target,
                                     refuse_export, state_problems)
+from drafters.layers import ENGINE_AUX_LAYERS
 
-ENGINE_AUX_LAYERS = 3  # SGLang and vLLM build fc with in_features = 3 * target_hidden_size
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
 
 

@@ -28,10 +28,10 @@ from drafters.dtypes import DTYPES
 from drafters.eagle3 import NORM_OPTIONS
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
                                     load_source, refuse_export, state_problems)
-from drafters.export.eagle3 import ENGINE_AUX_LAYERS, llama_layer_fields
+from drafters.export.eagle3 import llama_layer_fields
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
                                      get_field, int_list, read_json, read_tensors, rebuild, rope_fields)
-from drafters.layers import DraftKVCache
+from drafters.layers import ENGINE_AUX_LAYERS, DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"

@@ -677,6 +677,24 @@ def build_examples(tokenizer, path_or_name: str, *, max_length: int, fmt: str = 
     return examples, report
 
 
+def choose_mask_token(rows, vocab_size: int, requested: int | None, key: str) -> int:
+    """The mask token of the families that draft from masked slots (DFlash, DSpark, P-EAGLE): `requested` (the
+    recipe's `key`), or the lowest id no training row contains, so the frozen embedding the drafter learns to read
+    as "unknown" never stands for a real token of its data."""
+    if requested is not None:
+        if requested >= vocab_size:
+            raise ValueError(f"{key}={requested} is not a token id of the target (vocab {vocab_size})")
+        return requested
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for e in rows:
+        seen[torch.as_tensor(e.input_ids, dtype=torch.long)] = True
+    unseen = (~seen).nonzero()
+    if not len(unseen):
+        raise ValueError(f"{key}: every one of the target's {vocab_size} ids occurs in the training rows; set {key} "
+                         "to a rare id explicitly")
+    return int(unseen[0])
+
+
 def repeat_mask(input_ids: list[int], loss_mask: list[int], n: int) -> list[int]:
     """loss_mask with the learnt tokens that repeat the example's own answers dropped: token t (loss_mask[t] = 1,
     t >= n-1) is dropped when the n tokens ending at it, ids[t-n+1 : t+1], already ended at an earlier learnt

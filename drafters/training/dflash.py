@@ -14,10 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.dflash import DFlashConfig, DFlashDrafter, block_label_mask, block_label_rows, sample_anchors
-from drafters.dspark import block_prev_ids
+from drafters.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    block_label_mask,
+    block_label_rows,
+    block_prev_ids,
+    sample_anchors,
+)
 from drafters.draft_vocab import DraftVocab
 from drafters.losses import chunked_draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy, table_rows
+from drafters.training.data import choose_mask_token
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe
 
@@ -70,28 +77,12 @@ def check_dflash(o: DFlashOptions) -> list[str]:
     return problems
 
 
-def choose_mask_token(rows, vocab_size: int, requested: int | None) -> int:
-    """The mask token: `requested`, or the lowest id no training row contains (so the frozen embedding the
-    drafter learns to read as "unknown" never stands for a real token of its data)."""
-    if requested is not None:
-        if requested >= vocab_size:
-            raise ValueError(f"dflash.mask_token_id={requested} is not a token id of the target (vocab {vocab_size})")
-        return requested
-    seen = torch.zeros(vocab_size, dtype=torch.bool)
-    for e in rows:
-        seen[torch.as_tensor(e.input_ids, dtype=torch.long)] = True
-    unseen = (~seen).nonzero()
-    if not len(unseen):
-        raise ValueError(f"dflash.mask_token_id: every one of the target's {vocab_size} ids occurs in the training "
-                         "rows; set dflash.mask_token_id to a rare id explicitly")
-    return int(unseen[0])
-
-
 def build_dflash(recipe, target, train_rows, vocab: DraftVocab, say) -> "DFlashObjective":
     """The family's build (drafters.training.families.TrainingFamily): the mask token from the training rows, the
     drafter on the target's frozen head rows of the draft vocabulary."""
     try:
-        mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)
+        mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id,
+                                          key="dflash.mask_token_id")
     except ValueError as err:
         raise RecipeError(f"recipe: {err}") from None
     drafter = build_dflash_drafter(recipe, target, vocab, mask_token_id)

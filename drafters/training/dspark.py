@@ -10,7 +10,8 @@ from typing import Literal
 
 from drafters.draft_vocab import DraftVocab
 from drafters.dspark import VARIANTS, DSparkConfig, DSparkDrafter
-from drafters.training.dflash import DFlashObjective, DFlashRecipe, choose_mask_token
+from drafters.training.data import choose_mask_token
+from drafters.training.dflash import DFlashObjective, DFlashRecipe
 from drafters.training.recipe import RecipeError
 
 
@@ -47,7 +48,8 @@ def check_dspark(o: DSparkOptions) -> list[str]:
 
 def build_dspark(recipe: DSparkRecipe, target, train_rows, vocab: DraftVocab, say) -> DFlashObjective:
     try:
-        mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id)
+        mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id,
+                                          key="dflash.mask_token_id")
     except ValueError as err:
         raise RecipeError(f"recipe: {err}") from None
     o, s = recipe.dflash, recipe.dspark

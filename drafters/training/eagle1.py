@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
-from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter, FrozenHead
-from drafters.eagle3 import shift_left, ttt_label_mask
+from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter
+from drafters.layers import shift_left, ttt_label_mask
 from drafters.losses import LabelLogits, in_row_chunks, soft_cross_entropy
+from drafters.targets import FrozenHead
 from drafters.training.schema import FeatureRecipe
 
 

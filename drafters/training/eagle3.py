@@ -14,42 +14,14 @@ from torch import Tensor, nn
 
 from drafters.acceptance import chain_tau
 from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
-from drafters.eagle1 import FrozenHead
-from drafters.eagle3 import (
-    NORM_OPTIONS,
-    Eagle3Config,
-    Eagle3Drafter,
-    fuse_features,
-    ttt_label_mask,
-    ttt_label_rows,
-)
-from drafters.export.eagle3 import ENGINE_AUX_LAYERS
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
+from drafters.layers import ENGINE_AUX_LAYERS, ttt_label_mask, ttt_label_rows
 from drafters.losses import DIVERGENCES, LabelLogits, soft_cross_entropy, supervised_targets
-from drafters.targets import Target, default_eagle3_layers
+from drafters.targets import FrozenHead, Target, default_eagle3_layers
 from drafters.training.loop import RunBase
 from drafters.training.metrics import StepMetrics
 from drafters.training.recipe import RecipeError
-from drafters.training.schema import DraftVocabRecipe, FeatureRecipe
-
-
-@dataclass(kw_only=True)
-class DrafterNorms:
-    """The optional norms of an EAGLE-3 layer (drafters.eagle3.Eagle3Config; speculators' / vLLM's names), read by
-    EAGLE-3 and P-EAGLE. llama.cpp runs norm_before_fc and norm_before_residual; fc_norm (EAGLE-3.1) only vLLM /
-    speculators / SGLang."""
-
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_before_residual: bool = False
-
-    def norms(self) -> dict[str, bool]:
-        return {name: getattr(self, name) for name in NORM_OPTIONS}
-
-    def norm_problems(self) -> list[str]:
-        if self.norm_before_fc and self.fc_norm:
-            return ["norm_before_fc and fc_norm are both set: they are two ways to norm the fused features before "
-                    "fc; keep one"]
-        return []
+from drafters.training.schema import DraftVocabRecipe, DrafterNorms, FeatureRecipe
 
 
 @dataclass(kw_only=True)

@@ -31,11 +31,10 @@ from torch import Tensor, nn
 from drafters.acceptance import chain_tau
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.decode.proposers.heads import TREE_FILE
-from drafters.eagle1 import FrozenHead
 from drafters.heads import TOPK_METRIC, HeadsOutput, heads_loss, rank_hits
 from drafters.losses import LabelLogits
 from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.targets import Target
+from drafters.targets import FrozenHead, Target
 from drafters.training.resume import Position
 from drafters.training.heads_tree import HeadsTree, accuracy_table, cartesian_tree, chain_tree, greedy_tree
 from drafters.training.loop import RunBase

@@ -11,13 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from drafters.draft_vocab import DraftVocab
-from drafters.eagle3 import ttt_label_mask, ttt_label_rows
+from drafters.layers import ttt_label_mask, ttt_label_rows
 from drafters.losses import soft_cross_entropy, supervised_targets
 from drafters.peagle import PEagleConfig, PEagleDrafter, chain_label_mask, sample_chains
-from drafters.training.dflash import choose_mask_token
-from drafters.training.eagle3 import DrafterNorms
+from drafters.training.data import choose_mask_token
 from drafters.training.recipe import RecipeError
-from drafters.training.schema import DraftVocabRecipe
+from drafters.training.schema import DraftVocabRecipe, DrafterNorms
 
 
 @dataclass
@@ -57,9 +56,9 @@ def check_peagle(o: PEagleOptions) -> list[str]:
 def build_peagle(recipe: PEagleRecipe, target, train_rows, vocab: DraftVocab, say) -> "PEagleObjective":
     o = recipe.peagle
     try:
-        mask_token_id = choose_mask_token(train_rows, target.vocab_size, o.mask_token_id)
+        mask_token_id = choose_mask_token(train_rows, target.vocab_size, o.mask_token_id, key="peagle.mask_token_id")
     except ValueError as err:
-        raise RecipeError(f"recipe: {err}".replace("dflash.", "peagle.")) from None
+        raise RecipeError(f"recipe: {err}") from None
     norms = recipe.norms()
     config = PEagleConfig.from_target_config(target.config, vocab.size, recipe.layers, depth=o.depth,
                                              mask_token_id=mask_token_id, **norms)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafters.decode.decoder import synced_clock
 from drafters.draft_vocab import DraftVocab
 from drafters.targets import Target
+from drafters.timing import synced_clock
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
 from drafters.training.memory import estimate_step
 from drafters.training.optimizers import build_optimizer

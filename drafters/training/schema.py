@@ -1,5 +1,5 @@
 """The recipe sections every family shares (`Data`, `Optim`, `TrainRecipe`; the feature-level families'
-`FeatureRecipe` and `DraftVocabRecipe`) and their checks.
+`FeatureRecipe` and `DraftVocabRecipe`; EAGLE-3's and P-EAGLE's `DrafterNorms`) and their checks.
 
 Each family's recipe is its own subclass in its training module (drafters.training.eagle3.Eagle3Recipe,
 drafters.training.heads.MedusaRecipe, ...), holding its own fields and checking them in `problems()`, named by its
@@ -7,7 +7,7 @@ TrainingFamily entry; load_train_recipe reads a YAML recipe plus key=value overr
 problem at once. Knows nothing about drafters, targets or the loop.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from drafters.dtypes import DtypeName
@@ -188,6 +188,25 @@ class DraftVocabRecipe(FeatureRecipe):
                          "(null = draft_vocab_size as given)")
         return found
 
+
+@dataclass(kw_only=True)
+class DrafterNorms:
+    """The optional norms of an EAGLE-3 layer (drafters.eagle3.Eagle3Config; speculators' / vLLM's names), read by
+    EAGLE-3 and P-EAGLE. llama.cpp runs norm_before_fc and norm_before_residual; fc_norm (EAGLE-3.1) only vLLM /
+    speculators / SGLang."""
+
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+
+    def norms(self) -> dict[str, bool]:  # drafters.eagle3.NORM_OPTIONS: these fields, by these names
+        return {f.name: getattr(self, f.name) for f in fields(DrafterNorms)}
+
+    def norm_problems(self) -> list[str]:
+        if self.norm_before_fc and self.fc_norm:
+            return ["norm_before_fc and fc_norm are both set: they are two ways to norm the fused features before "
+                    "fc; keep one"]
+        return []
 
 
 def load_train_recipe(argv: list[str], schema, own_problems=None, raw: dict | None = None):

@@ -25,17 +25,8 @@ from torch import Tensor
 
 from drafters.checkpoint import check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
-from drafters.decode.sampling import SamplingConfig, warp
-from drafters.decode.tree import (
-    ChainSpec,
-    DynamicSpec,
-    Frontier,
-    Tree,
-    TreeSpec,
-    build_tree,
-    parse_tree_spec,
-    ranked_draws,
-)
+from drafters.decode.sampling import SamplingConfig
+from drafters.decode.tree import ChainSpec, DynamicSpec, Tree, TreeSpec, build_tree, parse_tree_spec, rows_expander
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import scatter_to_target
 from drafters.eagle3 import fuse_features
@@ -96,24 +87,8 @@ class DFlashProposer:
         _, logits = self.drafter.draft(pending_ids, self.embed, self.cache)
         slots = logits[0]  # (B-1, Vd): row d-1 = q_d, the distribution of a depth-d node
         # top-k drafts for dynamic trees at every temperature (module docstring)
-        return build_tree(self.tree, pending, lambda _, draws: self._expander(slots, sampling, draws),
-                          sampled=not sampling.greedy, chain_depth=depth)
-
-    def _expander(self, slots: Tensor, sampling: SamplingConfig, draws: int):
-        # -> (expand, probs). expand(Frontier at depth d) -> (F, V) scores over target ids, every node's
-        # from slot d+1: draft log-probs (top-k drafts) or, with draws > 0, `draws` samples per node without
-        # replacement ranked in draw order; probs[node] = (V,) the warped q its children were drawn from.
-        probs = {}
-
-        def expand(frontier: Frontier) -> Tensor:
-            row = slots[frontier.depth][None].expand(len(frontier.nodes), -1)  # (F, Vd)
-            if not draws:
-                return self._to_target(row.float().log_softmax(-1), float("-inf"))
-            q = self._to_target(warp(row, sampling), 0.0)  # (F, V) float32, identical rows
-            probs.update(zip(frontier.nodes.tolist(), q))
-            return ranked_draws(q, draws, self.generator)  # independent draws per node
-
-        return expand, probs
+        expander = lambda _, draws: rows_expander(slots, self._to_target, sampling, draws, self.generator)  # noqa: E731
+        return build_tree(self.tree, pending, expander, sampled=not sampling.greedy, chain_depth=depth)
 
     def _to_target(self, x: Tensor, fill: float) -> Tensor:  # (F, Vd) -> (F, V), `fill` off the draft vocab
         return scatter_to_target(x, self.used, self.drafter.config.vocab_size, fill)

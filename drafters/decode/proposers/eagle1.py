@@ -9,8 +9,9 @@ from drafters.checkpoint import CheckpointError, check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.tree import TreeSpec, parse_tree_spec
-from drafters.eagle1 import Eagle1Config, Eagle1Drafter, FrozenHead
+from drafters.eagle1 import Eagle1Config, Eagle1Drafter
 from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.targets import FrozenHead
 
 
 def eagle1_inputs(drafter: Eagle1Drafter):

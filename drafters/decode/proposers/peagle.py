@@ -11,10 +11,9 @@ import torch
 from torch import Tensor
 
 from drafters.checkpoint import check_target
-from drafters.decode.proposers.dflash import DFlashProposer
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.sampling import SamplingConfig
-from drafters.decode.tree import ChainSpec, Tree, TreeSpec, build_tree, parse_tree_spec
+from drafters.decode.tree import ChainSpec, Tree, TreeSpec, build_tree, parse_tree_spec, rows_expander
 from drafters.peagle import PEagleConfig, PEagleDrafter
 from drafters.registry import build_drafter, check_fits, drafter_config
 
@@ -38,11 +37,8 @@ class PEagleProposer(EagleProposer):
         _, logits = self.drafter.draft(self.last, ids, self.embed, self.cache)
         rows = logits[0]  # (K, Vd): row d ranks a depth-d node's children
         depth = min(self.depth, self.drafter.config.depth) if self.depth is not None else None
-        return build_tree(self.tree, pending, lambda _, draws: self._rows_expander(rows, sampling, draws),
-                          sampled=not sampling.greedy, chain_depth=depth)
-
-    # row d of one pass ranks every depth-d node's children: DFlash's expander over its slots
-    _rows_expander = DFlashProposer._expander
+        expander = lambda _, draws: rows_expander(rows, self._to_target, sampling, draws, self.generator)  # noqa: E731
+        return build_tree(self.tree, pending, expander, sampled=not sampling.greedy, chain_depth=depth)
 
 
 def peagle_proposer_from_checkpoint(ckpt, target, tree_spec, *, seed: int = 0) -> PEagleProposer:
