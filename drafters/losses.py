@@ -1,7 +1,7 @@
 """Drafter losses as pure functions of tensors.
 
 Knows nothing about models, positions or label shifting: callers align `draft_logits[:, t]`
-with the target row that is its label (see `drafters.eagle3.ttt_label_rows`) before calling.
+with the target row that is its label (see `drafters.layers.ttt_label_rows`) before calling.
 Metrics stay tensors (no host sync); call `.item()` at log steps only.
 """
 
