@@ -90,9 +90,9 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path,
 
 
 def test_non_finite_loss_stops_with_the_step_rows_and_last_good_checkpoint(tmp_path, monkeypatch):
-    from drafters.training.eagle3 import EagleRun
+    from drafters.training.loop import FeatureRun
 
-    micro_step = EagleRun.micro_step
+    micro_step = FeatureRun.micro_step
     calls = {"n": 0}
 
     def poisoned(self, batch, acc):
@@ -102,7 +102,7 @@ def test_non_finite_loss_stops_with_the_step_rows_and_last_good_checkpoint(tmp_p
             acc.loss = acc.loss * float("nan")
         return acc
 
-    monkeypatch.setattr(EagleRun, "micro_step", poisoned)
+    monkeypatch.setattr(FeatureRun, "micro_step", poisoned)
     with pytest.raises(NonFiniteLoss) as error:
         train(tmp_path / "nan")
     message = str(error.value)

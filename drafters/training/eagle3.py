@@ -18,8 +18,6 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.layers import ENGINE_AUX_LAYERS, ttt_label_mask, ttt_label_rows
 from drafters.losses import DIVERGENCES, LabelLogits, soft_cross_entropy, supervised_targets
 from drafters.targets import FrozenHead, Target, default_eagle3_layers
-from drafters.training.loop import RunBase
-from drafters.training.metrics import StepMetrics
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe, DrafterNorms, FeatureRecipe
 
@@ -294,32 +292,3 @@ def format_eval(result: dict) -> str:
 
 
 # ---- the run ----------------------------------------------------------------------------------------
-
-
-class EagleRun(RunBase):
-    """The run of the feature-level families (EAGLE-3, EAGLE-1, DFlash, DSpark, P-EAGLE): one objective call on
-    (features, input ids, target logits, loss mask, the target's embedding); the family's own inputs,
-    evaluation and summary come from its TrainingFamily entry."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.inputs = self.family.inputs(self.recipe, self.target, self.drafter)  # batch -> (features, labels)
-
-    def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
-        """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
-        features, target_logits = self.inputs(batch)
-        out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
-                             self.target.embed_tokens)
-        self.accelerator.backward(out.loss / self.recipe.grad_accum)
-        scale = 1.0 / self.recipe.grad_accum
-        metrics = StepMetrics(loss=out.loss.detach() * scale, parts=out.step_losses.detach() * scale,
-                              correct=out.step_accuracies * out.step_counts,  # (K,) correct top-1 per part
-                              counted=out.step_counts, tokens=batch["attention_mask"].sum())
-        return metrics if acc is None else acc + metrics
-
-    def held_out(self, drafter) -> dict:
-        return self.family.evaluate(drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
-                                    self.recipe, self.accelerator)
-
-    def describe(self, result: dict) -> str:
-        return self.family.describe(result)

@@ -26,7 +26,6 @@ from drafters.training.dspark import DSparkRecipe, build_dspark
 from drafters.training.eagle1 import Eagle1Recipe, build_eagle1, eagle1_inputs_fn, eagle1_layer_spec, evaluate_eagle1
 from drafters.training.eagle3 import (
     Eagle3Recipe,
-    EagleRun,
     build_eagle3,
     choose_draft_vocab,
     eagle3_layer_spec,
@@ -43,7 +42,7 @@ from drafters.training.heads import (
     build_medusa,
     check_heads_have_labels,
 )
-from drafters.training.loop import Summary, fit, start_run
+from drafters.training.loop import FeatureRun, Summary, fit, start_run
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, read_recipe
@@ -90,7 +89,7 @@ class TrainingFamily:
 
 
 # the feature-level families read the target's fused aux layers (EAGLE-3's inputs and store) unless they say not
-_FUSED = dict(run=EagleRun, store_layout="eagle3", layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
+_FUSED = dict(run=FeatureRun, store_layout="eagle3", layer_spec=eagle3_layer_spec, inputs=target_inputs_fn,
               draft_vocab=True)
 _HEADS = dict(run=HeadsRun, loss_parts="per head", check_rows=check_heads_have_labels)
 TRAINING_FAMILIES: dict[str, TrainingFamily] = {
@@ -107,7 +106,7 @@ TRAINING_FAMILIES: dict[str, TrainingFamily] = {
     "peagle": TrainingFamily("peagle", recipe=PEagleRecipe, build=build_peagle, loss_parts="per depth",
                              evaluate=evaluate_peagle, describe=format_peagle_eval, **_FUSED),
     "eagle1": TrainingFamily("eagle1", recipe=Eagle1Recipe, build=build_eagle1, loss_parts="feature, token",
-                             run=EagleRun, store_layout="eagle1", layer_spec=eagle1_layer_spec,
+                             run=FeatureRun, store_layout="eagle1", layer_spec=eagle1_layer_spec,
                              inputs=eagle1_inputs_fn, evaluate=evaluate_eagle1, describe=format_eval),
     "medusa": TrainingFamily("medusa", recipe=MedusaRecipe, build=build_medusa, **_HEADS),
     "blockwise": TrainingFamily("blockwise", recipe=BlockwiseRecipe, build=build_blockwise, **_HEADS),

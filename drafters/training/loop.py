@@ -455,3 +455,32 @@ def check_finite(loss: Tensor, step: int, run, passes: int, micro: int, grad_acc
         f"pass {passes}, data rows {'; '.join(rows)}. The optimizer step was not applied; the last good "
         f"checkpoint is {saved[-1] if saved else 'none (no checkpoint was saved yet)'}. Lower optim.lr, keep "
         f"optim.max_grad_norm set, use mixed_precision=bf16 rather than fp16, or remove those rows.")
+
+
+class FeatureRun(RunBase):
+    """The run of the feature-level families (EAGLE-3, EAGLE-1, DFlash, DSpark, P-EAGLE): one objective call on
+    (features, input ids, target logits, loss mask, the target's embedding); the family's own inputs,
+    evaluation and summary come from its TrainingFamily entry."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inputs = self.family.inputs(self.recipe, self.target, self.drafter)  # batch -> (features, labels)
+
+    def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
+        """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
+        features, target_logits = self.inputs(batch)
+        out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                             self.target.embed_tokens)
+        self.accelerator.backward(out.loss / self.recipe.grad_accum)
+        scale = 1.0 / self.recipe.grad_accum
+        metrics = StepMetrics(loss=out.loss.detach() * scale, parts=out.step_losses.detach() * scale,
+                              correct=out.step_accuracies * out.step_counts,  # (K,) correct top-1 per part
+                              counted=out.step_counts, tokens=batch["attention_mask"].sum())
+        return metrics if acc is None else acc + metrics
+
+    def held_out(self, drafter) -> dict:
+        return self.family.evaluate(drafter, self.inputs, self.target.embed_tokens, self.eval_batches,
+                                    self.recipe, self.accelerator)
+
+    def describe(self, result: dict) -> str:
+        return self.family.describe(result)

@@ -101,7 +101,7 @@ def recipe_for(setting: StepSetting, vocab_size: int):
 
 
 def build_step(setting: StepSetting, target: Target):
-    """-> (objective, inputs, optimizer): what EagleRun.micro_step and fit() build, for a random target."""
+    """-> (objective, inputs, optimizer): what FeatureRun.micro_step and fit() build, for a random target."""
     family = TRAINING_FAMILIES[setting.family]
     recipe = recipe_for(setting, target.vocab_size)
     # the draft vocabulary: the lowest ids (a random target has no token counts to rank)
@@ -120,7 +120,7 @@ def random_batch(setting: StepSetting, vocab_size: int, device) -> dict:
 
 
 def one_step(objective, inputs, optimizer, batch: dict, embed, device) -> list[float]:
-    """The trainer's step (EagleRun.micro_step + train_loop's optimizer step) -> seconds per phase. The target's
+    """The trainer's step (FeatureRun.micro_step + train_loop's optimizer step) -> seconds per phase. The target's
     label logits are computed lazily inside the loss (LabelLogits), so they count as drafter time."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     start = synced_clock(device)
