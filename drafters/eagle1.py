@@ -24,6 +24,7 @@ Knows nothing about the target model, datasets or decoding trees.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -155,20 +156,12 @@ class Eagle1Drafter(nn.Module):
         """Append pairs (feature_t, token_{t+1}): features (B, T, h) at cache slots S..S+T-1
         (S = len(cache)), input_ids (B, T) with input_ids[:, t] = the token following feature t. Causal.
         -> (predicted features (B, T, h), logits (B, T, V)); row t, at position S+t, drafts token S+t+2."""
-        return self._extend(features, input_ids, embed, cache, positions, mask=None)
+        return self.step(features, input_ids, embed, cache, positions)  # a step on the target's features
 
     def step(self, hidden, input_ids, embed, cache: DraftKVCache, positions=None, mask=None):
         """Draft on own outputs: hidden (B, q, h) = each node's parent's predicted feature, used as the
         feature input (differs from EAGLE-3, whose step skips fc); input_ids (B, q) the nodes' tokens;
         positions (B, q) = parent's + 1; mask (B, 1, q, S+q) bool over [cache; new] (default causal)."""
-        return self._extend(hidden, input_ids, embed, cache, positions, mask)
-
-    def _extend(self, features, input_ids, embed, cache, positions, mask):
-        past_len, new_len = len(cache), input_ids.shape[1]
-        if positions is None:
-            positions = torch.arange(past_len, past_len + new_len, device=input_ids.device)[None]
-        if mask is None:  # query j sees slots <= past_len + j
-            mask = torch.ones(new_len, past_len + new_len, dtype=torch.bool, device=input_ids.device).tril(past_len)
-        hidden, (k, v) = self.backbone(self.project(features, input_ids, embed), positions, cache.past(), mask)
-        cache.append(k, v)
-        return hidden, self.compute_logits(hidden)
+        x = self.project(hidden, input_ids, embed)  # (B, q, h)
+        out = cache.extend(partial(self.backbone, x), input_ids.shape[1], input_ids.device, positions, mask)
+        return out, self.compute_logits(out)

@@ -14,18 +14,21 @@ token_{t+2}. Its label is the target's row t+1 (the target's logits at t+1 predi
 """
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.draft_vocab import DraftVocab
-from drafters.layers import DraftAttention, DraftKVCache, TTTKeys, llama_config, target_layer_fields, ttt_input_ids
+from drafters.layers import (DraftAttention, DraftKVCache, TTTKeys, llama_config, target_layer_fields,
+                             ttt_attention_mask, ttt_input_ids)
 from drafters.losses import FusedLinearHead
 from drafters.targets import default_eagle3_layers  # [2, L//2, L-3], HF hidden_states indices
 
 
 NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")  # Eagle3Config's optional norms
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Eagle3Config.layer_types, HF's names
 
 
 @dataclass
@@ -51,6 +54,14 @@ class Eagle3Config:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_before_residual: bool = False
+    # speculators' EAGLE-3 training defaults, read from its checkpoints (docs/conventions.md "EAGLE-3 options"):
+    # norm_output: the last layer's output goes through the final norm before it is both handed to the next step and
+    # read by lm_head (EAGLE-3.1's post-norm); off: the next step reads the pre-norm output (EAGLE-3's)
+    norm_output: bool = False
+    # layer_types[l] (HF's field): "full_attention" or "sliding_attention" for decoder layer l (None: all full); a
+    # sliding layer's query at position p sees only keys at positions k with p - k < sliding_window
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.num_hidden_layers < 1:
@@ -58,6 +69,17 @@ class Eagle3Config:
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are two ways to norm the fused features before fc: "
                              "set one of them")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types {self.layer_types}: want one of {LAYER_TYPES} per decoder layer "
+                                 f"({self.num_hidden_layers})")
+            if self.sliding_layers and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+                raise ValueError(f"sliding_window={self.sliding_window!r}: a sliding_attention layer needs a window "
+                                 "of at least one position")
+
+    @property
+    def sliding_layers(self) -> list[int]:  # the decoder layers that attend within sliding_window
+        return [i for i, kind in enumerate(self.layer_types or ()) if kind == "sliding_attention"]
 
     @classmethod
     def from_target_config(cls, config, draft_vocab_size: int, layers=None, num_layers: int = 1,
@@ -73,6 +95,21 @@ class Eagle3Config:
                              f"{cfg.vocab_size}]")
         return cls(**target_layer_fields(config), draft_vocab_size=draft_vocab_size, aux_layers=layers,
                    num_hidden_layers=num_layers, **norms)
+
+
+def window_mask(mask, positions: Tensor, key_positions: Tensor | None, window: int) -> Tensor:
+    """`mask` narrowed to a sliding window: a query at position p keeps only keys at positions k with p - k < window
+    (HF's and vLLM's rule). mask: (T, S) or (B, 1, T, S) bool, True = see, with key_positions (B or 1, S); or
+    TTTKeys(i), whose keys [step 0 | .. | step i] sit at positions t + j (step j's key at row t) for queries at
+    positions t + i: then a dense (T, (i+1)T) mask. positions (B or 1, T). -> (B or 1, 1, T, S) bool."""
+    if isinstance(mask, TTTKeys):
+        rows = positions[0] - mask.step  # (T,) each row's step-0 position
+        key_positions = torch.cat([rows + j for j in range(mask.step + 1)])[None]  # (1, (i+1)T)
+        mask = ttt_attention_mask(positions.shape[-1], mask.step, positions.device)
+    if key_positions is None:
+        raise ValueError("a sliding-window layer needs the positions of its keys (Eagle3Drafter.step passes them)")
+    near = positions[:, :, None] - key_positions[:, None, :] < window  # (B or 1, T, S)
+    return mask & near[:, None]
 
 
 def fuse_features(hidden_states, layers) -> Tensor:
@@ -219,25 +256,43 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():  # the target's embedding stays frozen even if the caller forgot
             return embed(input_ids)  # (B, T) -> (B, T, h)
 
-    def backbone(self, embeds, hidden, positions, past, mask):
-        """-> (the last layer's output hidden (B, T, h), new (keys, values)). A deeper drafter's keys and values
-        are its layers' stacked along the head axis, (B, n * Hkv, T, D), layer l's heads at [l * Hkv, (l+1) * Hkv):
-        one cache (DraftKVCache) and one TTT key list hold them all, cropped and reordered along positions as one."""
+    def backbone(self, embeds, hidden, positions, past, mask, key_positions=None):
+        """-> (the last layer's output hidden (B, T, h), through the final norm under norm_output; new (keys, values)).
+        A deeper drafter's keys and values are its layers' stacked along the head axis, (B, n * Hkv, T, D), layer l's
+        heads at [l * Hkv, (l+1) * Hkv): one cache (DraftKVCache) and one TTT key list hold them all, cropped and
+        reordered along positions as one. key_positions (B or 1, S + T): every key's position, which sliding-window
+        layers need (`step` passes them; the training-time test's follow from TTTKeys)."""
         cos, sin = self.rotary_emb(hidden, positions)  # positions (B or 1, T)
-        if self.config.num_hidden_layers == 1:
-            return self.midlayer(embeds, hidden, cos, sin, past, mask)
+        masks = self._layer_masks(mask, positions, key_positions)  # one per decoder layer
         n = self.config.num_hidden_layers
-        pasts = [None] * n if past is None else list(zip(past[0].chunk(n, 1), past[1].chunk(n, 1)))
-        hidden, (k, v) = self.midlayer(embeds, hidden, cos, sin, pasts[0], mask)
-        keys, values = [k], [v]
-        for layer, layer_past in zip(self.layers.values(), pasts[1:]):
-            hidden, (k, v) = layer(hidden, cos, sin, layer_past, mask)
-            keys.append(k)
-            values.append(v)
-        return hidden, (torch.cat(keys, 1), torch.cat(values, 1))
+        if n == 1:
+            hidden, keys_values = self.midlayer(embeds, hidden, cos, sin, past, masks[0])
+        else:
+            pasts = [None] * n if past is None else list(zip(past[0].chunk(n, 1), past[1].chunk(n, 1)))
+            hidden, (k, v) = self.midlayer(embeds, hidden, cos, sin, pasts[0], masks[0])
+            keys, values = [k], [v]
+            for layer, layer_past, layer_mask in zip(self.layers.values(), pasts[1:], masks[1:]):
+                hidden, (k, v) = layer(hidden, cos, sin, layer_past, layer_mask)
+                keys.append(k)
+                values.append(v)
+            keys_values = (torch.cat(keys, 1), torch.cat(values, 1))
+        if self.config.norm_output:  # differs from EAGLE-3: the next step reads the normed output too
+            hidden = self.norm(hidden)
+        return hidden, keys_values
+
+    def _layer_masks(self, mask, positions, key_positions) -> list:
+        sliding = self.config.sliding_layers
+        if not sliding:
+            return [mask] * self.config.num_hidden_layers
+        narrow = window_mask(mask, positions, key_positions, self.config.sliding_window)
+        return [narrow if i in sliding else mask for i in range(self.config.num_hidden_layers)]
+
+    def head_input(self, hidden: Tensor) -> Tensor:
+        """What lm_head reads: the final norm of a layer output (already applied under norm_output)."""
+        return hidden if self.config.norm_output else self.norm(hidden)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))  # (B, T, h) -> (B, T, Vd)
+        return self.lm_head(self.head_input(hidden))  # (B, T, h) -> (B, T, Vd)
 
     def ttt_unroll(self, features, input_ids, embed, steps: int):
         """Training-time test forward (docs/conventions.md). Inputs aligned with the sequence the target
@@ -266,26 +321,20 @@ class Eagle3Drafter(nn.Module):
         and input_ids (B, T) with input_ids[:, t] = the token following feature t. Causal.
         -> (hidden (B, T, h) pre-norm outputs, logits (B, T, Vd)); row t, at position S+t,
         drafts token S+t+2."""
-        return self._extend(self.project_hidden_states(features), input_ids, embed, cache,
-                            positions, mask=None)
+        return self.step(self.project_hidden_states(features), input_ids, embed, cache, positions)
 
     def step(self, hidden, input_ids, embed, cache: DraftKVCache, positions=None, mask=None):
         """Draft on own outputs: hidden (B, q, h) = output hidden of each node's parent,
         input_ids (B, q) the nodes' tokens (target ids), positions (B, q) = parent's + 1,
         mask (B, 1, q, S+q) bool over [cache; new] (default causal: a chain)."""
-        return self._extend(hidden, input_ids, embed, cache, positions, mask)
-
-    def _extend(self, hidden, input_ids, embed, cache, positions, mask):
-        past_len, new_len = len(cache), input_ids.shape[1]
-        if positions is None:
-            positions = torch.arange(past_len, past_len + new_len, device=input_ids.device)[None]
-        if mask is None:  # query j sees slots <= past_len + j
-            mask = torch.ones(new_len, past_len + new_len, dtype=torch.bool,
-                              device=input_ids.device).tril(past_len)
         embeds = self.embed_ids(embed, input_ids)  # (B, q, h)
-        hidden, (k, v) = self.backbone(embeds, hidden, positions, cache.past(), mask)
-        cache.append(k, v)
-        return hidden, self.compute_logits(hidden)
+        backbone = partial(self.backbone, embeds, hidden)
+        if self.config.sliding_layers:  # the window needs every key's position: the cached slots', then these
+            if positions is None:  # extend's default, a chain after the cache
+                positions = torch.arange(len(cache), len(cache) + input_ids.shape[1], device=input_ids.device)[None]
+            backbone = partial(backbone, key_positions=cache.key_positions(positions))
+        out = cache.extend(backbone, input_ids.shape[1], input_ids.device, positions, mask)
+        return out, self.compute_logits(out)
 
     def topk_tokens(self, logits: Tensor, k: int = 1) -> tuple[Tensor, Tensor]:
         """logits (..., Vd) -> (log-probs (..., k), TARGET ids (..., k)) via target = d + d2t[d]."""

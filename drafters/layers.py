@@ -181,6 +181,9 @@ class DraftKVCache:
     drafter's layers share one cache, stacked along the head axis (drafters.eagle3.Eagle3Drafter.backbone)."""
     keys: Tensor | None = None  # (B, Hkv, S, D); a deeper drafter's n layers: (B, n * Hkv, S, D)
     values: Tensor | None = None  # (B, Hkv, S, D)
+    # (B or 1, S): the RoPE position of every slot, recorded by extend (a sliding-window layer needs them);
+    # None once a slot was appended without one
+    positions: Tensor | None = None
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
@@ -188,14 +191,40 @@ class DraftKVCache:
     def past(self):
         return None if self.keys is None else (self.keys, self.values)
 
-    def append(self, keys: Tensor, values: Tensor) -> None:
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor | None = None) -> None:
         past = self.past()
+        known = positions is not None and (past is None or self.positions is not None)
+        self.positions = self.key_positions(positions) if known else None
         self.keys = keys if past is None else torch.cat([past[0], keys], 2)
         self.values = values if past is None else torch.cat([past[1], values], 2)
+
+    def key_positions(self, positions: Tensor) -> Tensor:
+        """(B or 1, S + q): the cached slots' positions, then those of the q new entries `positions` (B or 1, q)."""
+        if len(self) == 0:
+            return positions
+        if self.positions is None:
+            raise ValueError("this cache's slots were appended without their positions; fill it with extend()")
+        batch = max(self.positions.shape[0], positions.shape[0])
+        return torch.cat([self.positions.expand(batch, -1), positions.expand(batch, -1)], 1)
 
     def crop(self, length: int) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        if self.positions is not None:
+            self.positions = self.positions[:, :length]
+
+    def extend(self, backbone, new_len: int, device, positions=None, mask=None) -> Tensor:
+        """Run backbone(positions, past, mask) -> (hidden (B, q, h), (keys, values)) on q = new_len entries after the
+        S cached slots and append their keys and values -> hidden. Defaults: positions S..S+q-1 (1, q), a chain;
+        mask (q, S+q) causal, query j sees slots <= S + j."""
+        past_len = len(self)
+        if positions is None:
+            positions = torch.arange(past_len, past_len + new_len, device=device)[None]
+        if mask is None:
+            mask = torch.ones(new_len, past_len + new_len, dtype=torch.bool, device=device).tril(past_len)
+        hidden, (keys, values) = backbone(positions, self.past(), mask)
+        self.append(keys, values, positions)
+        return hidden
 
 
 # ---- training-time test: which inputs, labels and keys step i uses --------------------------

@@ -47,6 +47,10 @@ class PEagleConfig(Eagle3Config):
         if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) or \
                 not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id={self.mask_token_id!r} must be a token id in [0, {self.vocab_size})")
+        if self.norm_output:  # differs from EAGLE-3: no step reads another's output
+            problems.append("norm_output: P-EAGLE feeds no hidden state back to a next step")
+        if self.sliding_layers:
+            problems.append(f"layer_types {self.layer_types}: P-EAGLE's drafting pass has no sliding window")
         if problems:
             raise ValueError("P-EAGLE config: " + "; ".join(problems))
 

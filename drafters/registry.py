@@ -32,16 +32,22 @@ from drafters.peagle import PEagleConfig, PEagleDrafter
 
 @dataclass(frozen=True)
 class Family:
+    display_name: str  # how messages name it: "EAGLE-3"
     config: type
-    build: Callable  # (config, state) -> nn.Module, weights not yet loaded
+    module: type  # the drafter's nn.Module: module(config), or module(config, vocab) with a draft vocabulary
     fit_keys: tuple[str, ...]  # config fields that must equal the target's text config's
     own_problems: Callable = lambda config, text_config: []  # family-specific (config, text) -> [str]
+    draft_vocab: bool = False  # its state dict stores a draft vocabulary (d2t / t2d) the module is built with
 
 
-def _eagle3(config: Eagle3Config, state: dict) -> Eagle3Drafter:
+def _build(family: Family, config, state: dict) -> nn.Module:
+    # the family's module, weights not yet loaded; a draft vocabulary is read back from the state dict's d2t / t2d.
+    # A frozen target head (DFlash, DSpark, EAGLE-1) is never stored: the caller attaches it
+    if not family.draft_vocab:
+        return family.module(config)
     vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
                                        target_vocab_size=config.vocab_size)
-    return Eagle3Drafter(config, vocab)
+    return family.module(config, vocab)
 
 
 def _aux_layers_exist(config, text) -> list[str]:
@@ -50,36 +56,11 @@ def _aux_layers_exist(config, text) -> list[str]:
     return [f"aux_layers {config.aux_layers} outside 0..{text.num_hidden_layers} (target layer count)"]
 
 
-def _dflash(config: DFlashConfig, state: dict) -> DFlashDrafter:
-    # the LM head is the target's (frozen, never stored): the caller attaches it (DFlashDrafter.attach_head)
-    vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
-                                       target_vocab_size=config.vocab_size)
-    return DFlashDrafter(config, vocab)
-
-
-def _dspark(config: DSparkConfig, state: dict) -> DSparkDrafter:
-    vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
-                                       target_vocab_size=config.vocab_size)
-    return DSparkDrafter(config, vocab)
-
-
-def _peagle(config: PEagleConfig, state: dict) -> PEagleDrafter:
-    vocab = DraftVocab.from_state_dict(state, source="state dict", draft_vocab_size=config.draft_vocab_size,
-                                       target_vocab_size=config.vocab_size)
-    return PEagleDrafter(config, vocab)
-
-
-def _peagle_reads(config, text) -> list[str]:
+def _aux_layers_and_mask_token(config, text) -> list[str]:  # DFlash, DSpark, P-EAGLE
     problems = _aux_layers_exist(config, text)
     if not 0 <= config.mask_token_id < text.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} is not a token id of the target (vocab {text.vocab_size})")
-    return problems
-
-
-def _dflash_reads(config, text) -> list[str]:
-    problems = _aux_layers_exist(config, text)
-    if not 0 <= config.mask_token_id < text.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} is not a token id of the target (vocab {text.vocab_size})")
+        problems.append(f"mask_token_id {config.mask_token_id} is not a token id of the target (vocab "
+                        f"{text.vocab_size})")
     return problems
 
 
@@ -87,19 +68,17 @@ def _known_feature(config, text) -> list[str]:
     return [] if config.feature in FEATURES else [f"feature {config.feature!r} is none of {', '.join(FEATURES)}"]
 
 
+_SHAPE = ("hidden_size", "vocab_size")
+_ROTARY = (*_SHAPE, "max_position_embeddings")  # + the position range, for the families with rotary attention
 FAMILIES: dict[str, Family] = {
-    "eagle3": Family(Eagle3Config, _eagle3, ("hidden_size", "vocab_size", "max_position_embeddings"),
-                     _aux_layers_exist),
-    "eagle1": Family(Eagle1Config, lambda c, s: Eagle1Drafter(c), ("hidden_size", "vocab_size",
-                                                                   "max_position_embeddings"), _known_feature),
-    "medusa": Family(MedusaConfig, lambda c, s: MedusaHeads(c), ("hidden_size", "vocab_size")),
-    "blockwise": Family(BlockwiseConfig, lambda c, s: BlockwiseHeads(c), ("hidden_size", "vocab_size")),
-    "dflash": Family(DFlashConfig, _dflash, ("hidden_size", "vocab_size", "max_position_embeddings"), _dflash_reads),
-    "dspark": Family(DSparkConfig, _dspark, ("hidden_size", "vocab_size", "max_position_embeddings"), _dflash_reads),
-    "peagle": Family(PEagleConfig, _peagle, ("hidden_size", "vocab_size", "max_position_embeddings"), _peagle_reads),
+    "eagle3": Family("EAGLE-3", Eagle3Config, Eagle3Drafter, _ROTARY, _aux_layers_exist, draft_vocab=True),
+    "eagle1": Family("EAGLE-1", Eagle1Config, Eagle1Drafter, _ROTARY, _known_feature),
+    "medusa": Family("Medusa", MedusaConfig, MedusaHeads, _SHAPE),
+    "blockwise": Family("Blockwise", BlockwiseConfig, BlockwiseHeads, _SHAPE),
+    "dflash": Family("DFlash", DFlashConfig, DFlashDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
+    "dspark": Family("DSpark", DSparkConfig, DSparkDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
+    "peagle": Family("P-EAGLE", PEagleConfig, PEagleDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
 }
-NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "blockwise": "Blockwise", "dflash": "DFlash",
-         "dspark": "DSpark", "peagle": "P-EAGLE"}
 
 
 def family_of(config) -> str:
@@ -127,7 +106,7 @@ def drafter_config(name: str, raw: dict, where):
 def build_drafter(name: str, config, state: dict, where) -> nn.Module:
     """-> the family's module with `state` loaded strictly (float32, CPU, as stored)."""
     try:
-        drafter = _family(name, where).build(config, state)
+        drafter = _build(_family(name, where), config, state)
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}") from None
     try:
@@ -159,5 +138,6 @@ def check_fits(config, target, where) -> None:
     """The one fit check: raises a CheckpointError listing every mismatch with `target`."""
     wrong = fit_problems(config, target.config.get_text_config())
     if wrong:
-        raise CheckpointError(f"{where}: this {NAMES[family_of(config)]} drafter does not fit target "
-                              f"{target.name!r}: " + "; ".join(wrong) + ". Train or convert a drafter for this target")
+        name = FAMILIES[family_of(config)].display_name
+        raise CheckpointError(f"{where}: this {name} drafter does not fit target {target.name!r}: " + "; ".join(wrong)
+                              + ". Train or convert a drafter for this target")

@@ -42,12 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/eagle3_smollm2.yaml"
 # Every setting starts from the recipe as it was before these ablations (its defaults have since become the winners):
 # TTT 7, draft vocab 16000, no norm options, AdamW at lr 1e-4 with 50 warmup steps, batch 4 x 2.
-BASE = ["ttt_steps=7", "draft_vocab_size=16000", "draft_vocab_coverage=null", "norm_before_fc=false", "optim.lr=1e-4",
-        "optim.warmup_steps=50", "batch_size=4", "grad_accum=2", "optim.name=adamw"]
+BASE = ["eagle3.ttt_steps=7", "draft_vocab_size=16000", "draft_vocab_coverage=null", "norm_before_fc=false",
+        "optim.lr=1e-4", "optim.warmup_steps=50", "batch_size=4", "grad_accum=2", "optim.name=adamw"]
 # SpecForge's EAGLE-3 defaults (TTT 7, draft vocab 32000, lr 1e-4 with its warmup) on this recipe's batches
-SPECFORGE = ["ttt_steps=7", "draft_vocab_size=32000", "optim.lr=1e-4", "optim.warmup_steps=50"]
+SPECFORGE = ["eagle3.ttt_steps=7", "draft_vocab_size=32000", "optim.lr=1e-4", "optim.warmup_steps=50"]
 FAST = ["optim.lr=1e-3", "optim.warmup_steps=5"]  # the small-budget learning rate (settled by the lr rows)
-COMBO = ["ttt_steps=3", "draft_vocab_coverage=0.95", "norm_before_fc=true", "batch_size=2", "grad_accum=1"]
+COMBO = ["eagle3.ttt_steps=3", "draft_vocab_coverage=0.95", "norm_before_fc=true", "batch_size=2", "grad_accum=1"]
 SETTINGS = {  # name -> (what it tests, overrides after the common ones[, another recipe])
     "specforge": ("SpecForge defaults: TTT 7, vocab 32000, lr 1e-4, warmup 50", SPECFORGE),
     "vocab16k": ("the recipe's 16k draft vocabulary, else SpecForge's", [*SPECFORGE, "draft_vocab_size=16000"]),
@@ -55,11 +55,11 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
     "lr1e-3": ("(a) lr 1e-3, warmup 5", FAST),
     "lr3e-3": ("(a) lr 3e-3, warmup 5", ["optim.lr=3e-3", "optim.warmup_steps=5"]),
     "lr1e-3-b2": ("(a) lr 1e-3, batch 2 x 1 (4x the steps)", [*FAST, "batch_size=2", "grad_accum=1"]),
-    "ttt3": ("(b) TTT 3 steps, lr 1e-3", [*FAST, "ttt_steps=3"]),
-    "ttt4": ("(b) TTT 4 steps, lr 1e-3", [*FAST, "ttt_steps=4"]),
+    "ttt3": ("(b) TTT 3 steps, lr 1e-3", [*FAST, "eagle3.ttt_steps=3"]),
+    "ttt4": ("(b) TTT 4 steps, lr 1e-3", [*FAST, "eagle3.ttt_steps=4"]),
     "cov95": ("(c) draft vocab covering 95% of training tokens, lr 1e-3", [*FAST, "draft_vocab_coverage=0.95"]),
-    "init-last": ("(d) decoder layer from the target's last, lr 1e-3", [*FAST, "init_layer=-1"]),
-    "init-mid": ("(d) decoder layer from the target's middle layer (15), lr 1e-3", [*FAST, "init_layer=15"]),
+    "init-last": ("(d) decoder layer from the target's last, lr 1e-3", [*FAST, "eagle3.init_layer=-1"]),
+    "init-mid": ("(d) decoder layer from the target's middle layer (15), lr 1e-3", [*FAST, "eagle3.init_layer=15"]),
     "norm-fc": ("(e) norm_before_fc (one RMSNorm over the fused 3h; llama.cpp runs it), lr 1e-3",
                 [*FAST, "norm_before_fc=true"]),
     "fc-norm": ("(e) EAGLE-3.1 fc_norm (an RMSNorm per aux layer; vLLM / speculators only), lr 1e-3",
@@ -70,17 +70,18 @@ SETTINGS = {  # name -> (what it tests, overrides after the common ones[, anothe
                      [*FAST, *COMBO]),
     "combo-lr3e-3": ("TTT 3 + vocab at 95% coverage + norm_before_fc + batch 2 x 1, lr 3e-3",
                      ["optim.lr=3e-3", "optim.warmup_steps=5", *COMBO]),
-    "combo-init": ("the combo, lr 1e-3, decoder layer from the target's last", [*FAST, *COMBO, "init_layer=-1"]),
+    "combo-init": ("the combo, lr 1e-3, decoder layer from the target's last", [*FAST, *COMBO, "eagle3.init_layer=-1"]),
     # (f) epochs against distinct tokens: the combo, lr 1e-3, on half the budget's rows, seen twice
     "combo-2ep": ("(f) the combo, lr 1e-3, 2 epochs over budget / 2 training rows (data.train_rows)",
                   [*FAST, *COMBO, "data.train_rows={half}"]),
     # (h) issue 35: the loss, from today's recipe (the combo above) at lr 1e-3; "kl" is that recipe unchanged
     "kl": ("(h) the recipe before Muon: soft cross-entropy (KL), AdamW, the combo at lr 1e-3", [*FAST, *COMBO]),
-    "lk": ("(h) LK loss: -log acceptance probability (divergence=lk)", [*FAST, *COMBO, "divergence=lk"]),
-    "kl-tv": ("(h) KL + total variation (tv_weight=1)", [*FAST, *COMBO, "tv_weight=1.0"]),
-    "jsd": ("(h) Jensen-Shannon divergence", [*FAST, *COMBO, "divergence=jsd"]),
-    "reverse-kl": ("(h) reverse KL, KL(q || p)", [*FAST, *COMBO, "divergence=reverse_kl"]),
-    "argmax": ("(h) hard labels: cross-entropy against the target's argmax", [*FAST, *COMBO, "divergence=argmax"]),
+    "lk": ("(h) LK loss: -log acceptance probability (divergence=lk)", [*FAST, *COMBO, "eagle3.divergence=lk"]),
+    "kl-tv": ("(h) KL + total variation (tv_weight=1)", [*FAST, *COMBO, "eagle3.tv_weight=1.0"]),
+    "jsd": ("(h) Jensen-Shannon divergence", [*FAST, *COMBO, "eagle3.divergence=jsd"]),
+    "reverse-kl": ("(h) reverse KL, KL(q || p)", [*FAST, *COMBO, "eagle3.divergence=reverse_kl"]),
+    "argmax": ("(h) hard labels: cross-entropy against the target's argmax",
+               [*FAST, *COMBO, "eagle3.divergence=argmax"]),
     "muon": ("(h) Muon on the hidden matrices, AdamW on the rest (optim.name=muon), lr 1e-3",
              [*FAST, *COMBO, "optim.name=muon"]),
     "muon-lr3e-3": ("(h) Muon on the hidden matrices, AdamW on the rest, lr 3e-3",
@@ -118,7 +119,7 @@ def train_command(name: str, args) -> tuple[list[str], int]:
     overrides = (BASE if recipe == RECIPE else []) + SETTINGS[name][1]
     per_step = recipe_value(recipe, overrides, "batch_size") * recipe_value(recipe, overrides, "grad_accum")
     steps = max(1, args.budget // per_step)
-    depth = ["eval_ttt_steps=7"] if recipe_value(recipe, overrides, "drafter") == "eagle3" else []
+    depth = ["eagle3.eval_ttt_steps=7"] if recipe_value(recipe, overrides, "drafter") == "eagle3" else []
     data = [f"data.path={args.data}"] if args.data else []  # the rows the store was written for
     common = [f"features.dir={args.features}", *data, f"threads={args.threads}", *depth, "epochs=null",
               f"max_steps={steps}", "save_every=0", "eval_every=0", "log_every=5", "overwrite_output_dir=true",

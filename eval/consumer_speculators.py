@@ -12,9 +12,9 @@ builds, loads or runs is speculators' own (`Eagle3DraftModel`, `Eagle3Speculator
         of TTT step i, teacher-forced) and OUT_DIR/read.json (what its config classes read).
     python eval/consumer_speculators.py create VERIFIER_DIR INPUTS OUT_DIR
         speculators builds and saves its own EAGLE-3 drafters for the verifier (OUT_DIR/drafter
-        and OUT_DIR/drafter-cli-defaults, see `create`), then drafts a greedy chain with the first
+        and OUT_DIR/drafter-cli-defaults, see `create`), then drafts a greedy chain with each
         by its own forward: INPUTS holds the prompt's features, its shifted ids and `pending`;
-        writes OUT_DIR/chain.safetensors (chain: (1 + K,) target ids, logits: (1, T, Vd) step 0,
+        writes OUT_DIR/<drafter>.safetensors (chain: (1 + K,) target ids, logits: (1, T, Vd) step 0,
         chain_logits: (K, Vd) each chain step's logits).
     python eval/consumer_speculators.py dspark EXPORT_DIR INPUTS OUT_DIR
         speculators' `DSparkDraftModel.from_pretrained` loads EXPORT_DIR (our dspark --format vllm
@@ -71,6 +71,12 @@ def layer_read_back(layer) -> dict:
             "rope_theta": rope.get("rope_theta"), "rope_type": rope.get("rope_type")}
 
 
+def window_read_back(layer) -> dict:
+    """The decoder layers that attend within a sliding window, and the window (None without one)."""
+    sliding = [i for i, kind in enumerate(getattr(layer, "layer_types", None) or []) if kind == "sliding_attention"]
+    return {"sliding_layers": sliding, "sliding_window": getattr(layer, "sliding_window", None) if sliding else None}
+
+
 def read_back(config) -> dict:
     layer = config.transformer_layer_config
     return {
@@ -85,6 +91,7 @@ def read_back(config) -> dict:
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,
         **layer_read_back(layer),
+        **window_read_back(layer),
         "tie_word_embeddings": getattr(layer, "tie_word_embeddings", None),
         "speculative_tokens": [m.speculative_tokens for m in config.speculators_config.proposal_methods],
         "verifier": config.speculators_config.verifier.name_or_path,
@@ -114,23 +121,25 @@ def load(export_dir: Path, inputs_file: Path, out_dir: Path) -> None:
 
 def create(verifier_dir: Path, inputs_file: Path, out_dir: Path) -> None:
     """Two drafters built the way speculators' training CLI builds them (its own draft-layer
-    config builder and `from_training_args`): `drafter`, with the EAGLE-3 options this project's
-    drafter has (one full-attention layer, no fc / output norms), drafts the chain; and
-    `drafter-cli-defaults`, with the CLI's eagle3 defaults (norm_before_fc, norm_output, a sliding
-    window on every layer), which a reader here must refuse rather than run with other math."""
+    config builder and `from_training_args`), each drafting a chain by speculators' forward:
+    `drafter`, with the plain EAGLE-3 options (one full-attention layer, no fc / output norms), and
+    `drafter-cli-defaults`, with the CLI's eagle3 defaults (norm_before_fc, norm_output,
+    norm_before_residual, a sliding window of 2048 on every layer: longer than the prompt, so the
+    window itself is not exercised here; tests/test_eagle3.py checks it)."""
     inputs = load_file(inputs_file)
     steps = int(inputs["steps"])
     torch.manual_seed(SEED)  # speculators' own weight init draws from the global generator
     generator = torch.Generator().manual_seed(SEED)
     model = build(verifier_dir, int(inputs["draft_vocab_size"]), steps, generator, full_attention=[0],
                   norm_before_fc=False, norm_output=False)
-    model.save_pretrained(out_dir / "drafter")
-    build(verifier_dir, int(inputs["draft_vocab_size"]), steps, generator, full_attention=[],
-          norm_before_fc=True, norm_output=True).save_pretrained(out_dir / "drafter-cli-defaults")
-    chain, step0, chain_logits = greedy_chain(model.eval(), inputs["hidden_states"], inputs["input_ids"],
-                                              int(inputs["pending"]), steps)
-    save_file({"chain": chain, "logits": step0.contiguous(), "chain_logits": chain_logits.contiguous()},
-              out_dir / "chain.safetensors")
+    cli = build(verifier_dir, int(inputs["draft_vocab_size"]), steps, generator, full_attention=[],
+                norm_before_fc=True, norm_output=True, norm_before_residual=True)
+    for name, drafter in (("drafter", model), ("drafter-cli-defaults", cli)):
+        drafter.save_pretrained(out_dir / name)
+        chain, step0, chain_logits = greedy_chain(drafter.eval(), inputs["hidden_states"], inputs["input_ids"],
+                                                  int(inputs["pending"]), steps)
+        save_file({"chain": chain, "logits": step0.contiguous(), "chain_logits": chain_logits.contiguous()},
+                  out_dir / f"{name}.safetensors")
 
 
 def build(verifier_dir: Path, draft_vocab_size: int, steps: int, generator, *, full_attention, **options):
@@ -146,8 +155,8 @@ def build(verifier_dir: Path, draft_vocab_size: int, steps: int, generator, *, f
     t2d[kept] = True
     model = Eagle3DraftModel.from_training_args(
         layer_config, t2d=t2d, d2t=kept - torch.arange(draft_vocab_size), verifier_name_or_path=str(verifier_dir),
-        draft_vocab_size=draft_vocab_size, norm_before_residual=False, ttt_steps=steps, draft_attn_impl="eager",
-        **options)
+        draft_vocab_size=draft_vocab_size, ttt_steps=steps, draft_attn_impl="eager",
+        **{"norm_before_residual": False, **options})
     with torch.no_grad():  # an untrained drafter with every weight off its init (norms off 1.0)
         for name, param in model.named_parameters():
             if not name.startswith(("embed_tokens", "verifier_")):

@@ -42,7 +42,7 @@ def family_overrides(family: str, ttt: int, vocab_memory: str = "table") -> tupl
     """The setting's recipe overrides: the TTT depth and vocab_memory where the family has them (EAGLE-3), DFlash's
     block shape."""
     if family == "eagle3":
-        return (f"ttt_steps={ttt}", f"vocab_memory={vocab_memory}")
+        return (f"eagle3.ttt_steps={ttt}", f"eagle3.vocab_memory={vocab_memory}")
     if family in ("dflash", "dspark"):
         return ("dflash.block_size=8", "dflash.num_layers=1", "dflash.anchors=64")
     return ()

@@ -41,6 +41,50 @@ def greedy_reference(model, prompts, max_new_tokens):
     return model.generate(prompts, generation_config=config)
 
 
+def continuations(target, prompt_len: int, new_tokens: int = 40, rows: int = 6, seed: int = 0):
+    """The target's own greedy continuations of `rows` random prompts -> (sequences (R, P + n), loss mask: 1 on the
+    continuation): what the decoding tests fit a drafter to, so that its drafts are often accepted."""
+    prompts = torch.randint(3, target.vocab_size, (rows, prompt_len), generator=torch.Generator().manual_seed(seed))
+    sequences = greedy_reference(target.model, prompts, new_tokens)
+    loss_mask = torch.zeros_like(sequences)
+    loss_mask[:, prompt_len:] = 1
+    return sequences, loss_mask
+
+
+def fused_batch(target, sequences, loss_mask, aux_layers):
+    """One target forward on `sequences` (B, T) -> the FeatureBatch that EAGLE-3, DFlash, DSpark and P-EAGLE train on:
+    the fused aux layers (B, T, n*h), the target's logits (B, T, V), no grad."""
+    from drafters.eagle3 import fuse_features
+    from drafters.training.loop import FeatureBatch
+
+    with torch.no_grad():
+        out = target.model(sequences, output_hidden_states=True)
+    return FeatureBatch(fuse_features(out.hidden_states, aux_layers), sequences, out.logits, loss_mask,
+                        target.embed_tokens)
+
+
+def fit_drafter(drafter, loss, steps: int, lr: float = 3e-3):
+    """The decoding tests' few seconds of training: `steps` AdamW steps at `lr` on loss(step), a scalar of the
+    drafter's current weights -> the drafter, in eval mode."""
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    for step in range(steps):
+        value = loss(step)
+        optimizer.zero_grad()
+        value.backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+def save_drafter(path, family: str, drafter, target, **extra) -> Path:
+    """`drafter` as the native checkpoint of a `family` drafter for `target` (drafters.checkpoint) -> its path."""
+    from dataclasses import asdict
+
+    from drafters.checkpoint import save_checkpoint, target_info
+
+    return save_checkpoint(path, family=family, config=asdict(drafter.config), target=target_info(target),
+                           state_dict=drafter.state_dict(), extra=extra or None)
+
+
 def target_features(model, ids, layers):
     """One target forward on (T,) ids -> drafters.targets.TargetFeatures at `layers`, the last hidden state, logits."""
     from drafters.targets import TargetFeatures

@@ -54,6 +54,18 @@ def test_speculators_applies_our_norm_options_as_we_do(tiny, tmp_path, norms):
     assert result["field_differences"] == [] and all(result["speculators_read"][k] for k in norms)
 
 
+def test_speculators_applies_its_training_defaults_from_our_export_as_we_do(tiny, tmp_path):
+    # norm_output and a sliding-window layer (speculators' eagle3 defaults) travel in the vllm layout too; the window
+    # (its 2048) is longer than the prompt: tests/test_eagle3.py checks the window itself
+    defaults = {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True,
+                "layer_types": ["sliding_attention"], "sliding_window": 2048}
+    result = check.check_vllm_export(tiny, tmp_path, VENV, norms=defaults)
+    assert result["max_abs_logit_diff"] <= check.TOLERANCE, result["max_abs_logit_diff_per_step"]
+    read = result["speculators_read"]
+    assert result["field_differences"] == [] and read["norm_output"] and read["norm_before_fc"]
+    assert (read["sliding_layers"], read["sliding_window"]) == ([0], 2048)
+
+
 def test_control_speculators_sees_a_wrong_residual(tiny, tmp_path):
     def norm_before_residual(export):  # the field vLLM defaults to True when it is missing
         config = json.loads((export / "config.json").read_text())
@@ -132,7 +144,8 @@ def test_control_speculators_sees_a_wrong_peagle_export(tiny, tmp_path, fault, c
 def test_a_drafter_speculators_saved_drafts_the_same_chain_here(tiny, tmp_path):
     result, failures = run("speculators->here", tiny, tmp_path)
     assert failures == [] and result["same_chain"] and len(result["our_chain"]) == 1 + check.STEPS
-    assert "norm_output = True" in result["cli_defaults_refused"]  # norm_before_fc alone is read (a norm option here)
+    # speculators' training defaults (norm_output, norm_before_fc, norm_before_residual, a sliding layer) draft here
+    assert result["cli_defaults_same_chain"] and len(result["cli_defaults_our_chain"]) == 1 + check.STEPS
 
 
 def test_sglang_loads_every_tensor_of_our_sglang_export(tiny, tmp_path):

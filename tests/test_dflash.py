@@ -26,7 +26,8 @@ from drafters.dflash import (
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle3 import fuse_features
 from drafters.tiny import build_tiny_target
-from drafters.training.dflash import block_loss, decay_weights, dpace_weights
+from drafters.training.dflash import BlockLossOptions, block_loss, decay_weights, dpace_weights
+from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def one_block_at_a_time(drafter, features, ids, embed, b, a):
 def test_blocks_in_one_pass_equal_one_block_at_a_time_with_a_cached_context(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed = model.get_input_embeddings()
-    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep, return_logits=True)
     assert out.logits.shape == (2, anchors.shape[1], BLOCK - 1, 64)
     checked = 0
     for b in range(2):
@@ -107,7 +108,7 @@ def test_the_comparison_catches_a_wrong_training_mask(setup, wrong_mask, monkeyp
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed = model.get_input_embeddings()
     monkeypatch.setattr(dflash, "block_attention_mask", wrong_mask)
-    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep, return_logits=True)
     worst = max(float((out.logits[b, n] - one_block_at_a_time(drafter, features, ids, embed, b, int(anchors[b, n])))
                       .abs().max()) for b in range(2) for n in range(anchors.shape[1]) if keep[b, n])
     assert worst > 1e-2
@@ -164,14 +165,14 @@ def test_labels_are_the_targets_rows_before_each_slot(tiny_llama):
     target_logits[0, torch.arange(10), 10 + torch.arange(10)] = 5.0
     features = torch.randn(1, 10, 3 * 64)
     anchors, keep = torch.tensor([[2, 5]]), torch.tensor([[True, True]])
-    out = block_loss(drafter, features, ids, target_logits, loss_mask, model.get_input_embeddings(), anchors,
-                                keep, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, target_logits, loss_mask, model.get_input_embeddings()),
+                     anchors, keep, return_logits=True)
     # block at 2: slots 1..3 -> tokens 3, 4, 5 (all learnt) -> rows 2, 3, 4
     # block at 5: slots 1..3 -> tokens 6, 7, 8 (learnt) -> rows 5, 6, 7
     assert out.labels[0].tolist() == [[12, 13, 14], [15, 16, 17]]
     loss_mask[0, 7] = 0  # token 7 no longer learnt: slot 2 of the block at 5 is not counted
-    out = block_loss(drafter, features, ids, target_logits, loss_mask, model.get_input_embeddings(), anchors,
-                                keep, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, target_logits, loss_mask, model.get_input_embeddings()),
+                     anchors, keep, return_logits=True)
     assert out.labels[0].tolist() == [[12, 13, 14], [15, -1, 17]]
     assert out.step_counts.tolist() == [2, 1, 2] and out.step_supervised.tolist() == [2, 1, 2]
     # the block's own tokens: the anchor, then masks
@@ -184,9 +185,10 @@ def test_fused_loss_equals_the_logits_path_and_a_hand_computation(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     drafter = make_drafter(model, draft_vocab=VOCAB)  # every target argmax is in the vocabulary: all counted
     embed, gamma = model.get_input_embeddings(), 2.0
-    fused = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma)
-    plain = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma,
-                                  return_logits=True)
+    fused = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                       BlockLossOptions(gamma=gamma))
+    plain = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                       BlockLossOptions(gamma=gamma), return_logits=True)
     torch.testing.assert_close(fused.loss, plain.loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.step_losses, plain.step_losses, atol=1e-5, rtol=1e-5)
     # by hand: sum over counted slots of w_j * CE(softmax(target row a+j-1) || draft) / sum of their w_j
@@ -203,8 +205,8 @@ def test_fused_loss_equals_the_logits_path_and_a_hand_computation(setup):
                 num, den = num + math.exp(-(j - 1) / gamma) * ce, den + math.exp(-(j - 1) / gamma)
     assert den > 0
     torch.testing.assert_close(plain.loss, torch.as_tensor(num / den, dtype=torch.float32), atol=1e-5, rtol=1e-5)
-    hard = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, gamma=gamma,
-                                 labels="argmax")  # CE against the one-hot target argmax: another loss
+    hard = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                      BlockLossOptions(gamma=gamma, labels="argmax"))  # CE against the one-hot argmax: another loss
     assert not torch.isclose(hard.loss, plain.loss) and hard.loss > 0
 
 
@@ -227,8 +229,8 @@ def test_dpace_loss_equals_a_hand_computation(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     drafter = make_drafter(model, draft_vocab=VOCAB)
     embed, alpha = model.get_input_embeddings(), 0.3
-    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, weighting="dpace",
-                     dpace_alpha=alpha, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                     BlockLossOptions(weighting="dpace", dpace_alpha=alpha), return_logits=True)
     num, den = 0.0, 0.0
     for b in range(2):
         for n in range(anchors.shape[1]):
@@ -245,7 +247,7 @@ def test_dpace_loss_equals_a_hand_computation(setup):
                 num, den = num + weight * ce, den + weight
     assert den > 0
     torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), atol=1e-5, rtol=1e-5)
-    decayed = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep)
+    decayed = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep)
     assert not torch.isclose(decayed.loss, out.loss)  # another weighting, another loss
     torch.testing.assert_close(out.step_losses, decayed.step_losses, atol=1e-5, rtol=1e-5)  # the same slots' CE
 
@@ -263,7 +265,7 @@ def test_the_label_side_in_chunks_gives_the_same_loss_and_gradients(setup, rows,
 
     def loss_and_grads(target_logits):
         drafter.zero_grad()
-        out = block_loss(drafter, features, ids, target_logits, loss_mask, embed, anchors, keep)
+        out = block_loss(drafter, FeatureBatch(features, ids, target_logits, loss_mask, embed), anchors, keep)
         out.loss.backward()
         return out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 

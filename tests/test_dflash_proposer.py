@@ -15,19 +15,19 @@ import pytest
 import torch
 from test_sampling import first_two_tokens_pvalue  # tests/ is on sys.path under pytest
 
-from conftest import greedy_reference, target_features, untied_llama  # tests/ is on sys.path under pytest
+from conftest import (continuations, fit_drafter, fused_batch, save_drafter, target_features,  # tests/ on sys.path
+                      untied_llama)
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.decode.proposers.adaptive import AdaptiveChain
-from drafters.decode.proposers.dflash import load_dflash_proposer
-from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.proposers.loading import load_drafter_proposer, load_proposer
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import parse_tree_spec
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, sample_anchors
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import fuse_features
 from drafters.targets import Target
-from drafters.training.dflash import block_loss
+from drafters.training.dflash import BlockLossOptions, block_loss
 
 VOCAB, PROMPT, NEW, BLOCK = 259, 12, 30, 6
 TREES = ["chain:5", "static:eagle1", "dynamic:total=12,depth=4,topk=4"]  # static:eagle1 is 5 deep
@@ -37,26 +37,18 @@ GREEDY = SamplingConfig()
 
 
 
-def train_drafter(target, sequences, steps=120) -> DFlashDrafter:
-    loss_mask = torch.zeros_like(sequences)
-    loss_mask[:, PROMPT:] = 1
+def train_drafter(target, sequences, loss_mask, steps=120) -> DFlashDrafter:
     vocab = build_draft_vocab([(sequences, loss_mask)], VOCAB, 48)
     config = DFlashConfig.from_target_config(target.config, 48, mask_token_id=0, num_layers=2, block_size=BLOCK)
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, vocab).attach_head(target.lm_head.weight)
-    with torch.no_grad():
-        out = target.model(sequences, output_hidden_states=True)
-    features = fuse_features(out.hidden_states, config.aux_layers)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        anchors, keep = sample_anchors(loss_mask, 16, generator)
-        loss = block_loss(drafter, features, sequences, out.logits, loss_mask, target.embed_tokens, anchors, keep,
-                                     gamma=4.0).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
+    batch = fused_batch(target, sequences, loss_mask, config.aux_layers)
+    generator = torch.Generator().manual_seed(0)  # the anchors
+
+    def loss(_):
+        return block_loss(drafter, batch, *sample_anchors(loss_mask, 16, generator), BlockLossOptions(gamma=4.0)).loss
+
+    return fit_drafter(drafter, loss, steps)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -65,19 +57,16 @@ def setup(request, tmp_path_factory):
         target = untied_llama()
     else:
         target = Target(*request.getfixturevalue("tiny_gemma3"), "tiny-random-gemma3")
-    prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
-    references = greedy_reference(target.model, prompts, 40)  # (6, PROMPT + 40)
-    drafter = train_drafter(target, references)
-    path = tmp_path_factory.mktemp("ckpt") / request.param
-    save_checkpoint(path, family="dflash", config=asdict(drafter.config), target=target_info(target),
-                    state_dict=drafter.state_dict(), extra={"step": 120})
+    references, loss_mask = continuations(target, PROMPT)  # (6, PROMPT + 40)
+    drafter = train_drafter(target, references, loss_mask)
+    path = save_drafter(tmp_path_factory.mktemp("ckpt") / request.param, "dflash", drafter, target, step=120)
     return target, references, path
 
 
 def ready(setup, tree, prompt_index=0):
     # a proposer reset on prompt `prompt_index`, as the decoder leaves it after the prefill
     target, references, path = setup
-    proposer = load_dflash_proposer(path, target, tree)
+    proposer = load_drafter_proposer(path, target, tree)
     prompt = references[prompt_index, :PROMPT]
     proposer.reset(prompt, target_features(target.model, prompt, proposer.needs.layers))
     return proposer, target.model, prompt, int(references[prompt_index, PROMPT])  # pending = 1st new token
@@ -117,7 +106,7 @@ def test_greedy_matches_generate(setup, tree):
 
 def test_adaptive_chain_stays_within_the_block(setup):
     target, references, path = setup
-    proposer = AdaptiveChain(load_dflash_proposer(path, target, "chain:2"))
+    proposer = AdaptiveChain(load_drafter_proposer(path, target, "chain:2"))
     out, stats = speculative_generate(target, proposer, references[1, :PROMPT], max_new_tokens=NEW)
     assert out.tolist() == references[1, : PROMPT + NEW].tolist()
     assert max(stats.tree_depths) <= BLOCK - 1
@@ -194,7 +183,7 @@ class CheckedAgainstScratch:
                                             ("static:eagle1", SamplingConfig(temperature=0.5, seed=1))])
 def test_cache_after_update_equals_cache_built_from_scratch(setup, tree, sampling):
     target, references, path = setup
-    checked = CheckedAgainstScratch(load_dflash_proposer(path, target, tree), target.model)
+    checked = CheckedAgainstScratch(load_drafter_proposer(path, target, tree), target.model)
     _, stats = speculative_generate(target, checked, references[0, :PROMPT], max_new_tokens=NEW, sampling=sampling)
     assert checked.rounds == stats.num_rounds
     assert max(stats.accepted[:-1]) >= 2  # multi-token updates (and dropped tree branches) happened
@@ -212,7 +201,7 @@ def test_sampled_decoding_reproduces_the_targets_distribution(setup, tree):
     # power against a wrong residual is shown); that the draft_probs handed over are the distributions drafts were
     # drawn from is test_sampled_draft_probs_... above
     target, references, path = setup
-    pvalue, accepted = first_two_tokens_pvalue(target.model, load_dflash_proposer(path, target, tree, seed=5),
+    pvalue, accepted = first_two_tokens_pvalue(target.model, load_drafter_proposer(path, target, tree, seed=5),
                                                references[3, :PROMPT])
     assert accepted > 40 and pvalue > 1e-3, (accepted, pvalue)
 
@@ -223,9 +212,9 @@ def test_sampled_decoding_reproduces_the_targets_distribution(setup, tree):
 def test_trees_deeper_than_the_block_are_refused(setup):
     target, _, path = setup
     with pytest.raises(ValueError, match=r"chain:6 is 6 deep.*drafts at most block_size - 1 = 5 tokens.*chain:5"):
-        load_dflash_proposer(path, target, "chain:6")
+        load_drafter_proposer(path, target, "chain:6")
     with pytest.raises(ValueError, match="block_size - 1 = 5"):
-        load_dflash_proposer(path, target, "dynamic:total=10,depth=6,topk=2")
+        load_drafter_proposer(path, target, "dynamic:total=10,depth=6,topk=2")
 
 
 def test_checkpoint_for_another_target_is_refused(setup, tmp_path):
@@ -235,17 +224,17 @@ def test_checkpoint_for_another_target_is_refused(setup, tmp_path):
     save_checkpoint(tmp_path / "h32", family="dflash", config=asdict(small), target=target_info(target),
                     state_dict=DFlashDrafter(small).state_dict())
     with pytest.raises(CheckpointError, match="hidden_size: drafter 32 vs target 64"):
-        load_dflash_proposer(tmp_path / "h32", target, "chain:3")
+        load_drafter_proposer(tmp_path / "h32", target, "chain:3")
     deeper = {**target_info(target), "num_layers": 30, "hidden_size": 576}  # recorded for another target
     save_checkpoint(tmp_path / "other", family="dflash", config=asdict(config), target=deeper,
                     state_dict=DFlashDrafter(config).state_dict())
     with pytest.raises(CheckpointError, match="num_layers: checkpoint 30 vs target 8"):
-        load_dflash_proposer(tmp_path / "other", target, "chain:3")
+        load_drafter_proposer(tmp_path / "other", target, "chain:3")
     state = {k: v for k, v in DFlashDrafter(config).state_dict().items() if k != "hidden_norm.weight"}
     save_checkpoint(tmp_path / "partial", family="dflash", config=asdict(config), target=target_info(target),
                     state_dict=state)
     with pytest.raises(CheckpointError, match="(?s)weights do not match.*hidden_norm.weight"):
-        load_dflash_proposer(tmp_path / "partial", target, "chain:3")
+        load_drafter_proposer(tmp_path / "partial", target, "chain:3")
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -260,4 +249,4 @@ def test_a_bad_config_in_the_file_is_named_where_it_is_read(setup, tmp_path, fie
     meta["config"][field] = value
     (tmp_path / "bad" / "drafter.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'bad'}.*DFlash config: {message}"):
-        load_dflash_proposer(tmp_path / "bad", target, "chain:3")
+        load_drafter_proposer(tmp_path / "bad", target, "chain:3")

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train_tiny  # tests/ is on sys.path under pytest
+from conftest import (continuations, fit_drafter, fused_batch, save_drafter, train_tiny,  # tests/ on sys.path
+                      untied_llama)
 from test_sampling import first_two_tokens_pvalue
 from transformers import GenerationConfig
 
-from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
+from drafters.checkpoint import load_checkpoint, save_checkpoint
 from drafters.decode.decoder import speculative_generate
-from drafters.decode.proposers.dspark import dspark_proposer_from_checkpoint
-from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.proposers.loading import load_proposer, proposer_from_checkpoint
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import parse_tree_spec
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter, block_prev_ids, sample_anchors
@@ -35,9 +35,9 @@ from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle3 import fuse_features
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
-from drafters.targets import Target, TargetFeatures
-from drafters.tiny import build_tiny_target
-from drafters.training.dflash import block_loss
+from drafters.targets import TargetFeatures
+from drafters.training.dflash import BlockLossOptions, block_loss
+from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def setup(tiny_llama):
 def test_training_blocks_equal_one_block_drafted_with_the_markov_bias_of_the_true_tokens(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed = model.get_input_embeddings()
-    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep, return_logits=True)
     prev = block_prev_ids(ids, anchors, BLOCK)
     checked = 0
     for b in range(2):
@@ -118,10 +118,12 @@ def test_zero_markov_weights_give_dflash_logits_and_a_fresh_drafter_starts_there
 def test_confidence_loss_is_the_bce_against_one_minus_total_variation(setup):
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed = model.get_input_embeddings()
-    without = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=0.0)
-    weighted = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=2.0)
+    without = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                         BlockLossOptions(confidence_weight=0.0))
+    weighted = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                          BlockLossOptions(confidence_weight=2.0))
     # by hand: sum_j w_j sum BCE(conf_j, 1 - TV(q_j, p_j)) / sum_j w_j count_j over the counted slots
-    out = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, return_logits=True)
+    out = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep, return_logits=True)
     counted = out.labels >= 0  # (B, N, Bk-1)
     normed = drafter.block_unroll(features, ids, embed, anchors, keep)[:, :, 1:]
     prev = block_prev_ids(ids, anchors, BLOCK)
@@ -152,8 +154,8 @@ def test_dpace_weighs_the_markov_biased_slots_and_keeps_the_decayed_confidence_l
 
     model, drafter, ids, loss_mask, features, logits, anchors, keep = setup
     embed, alpha = model.get_input_embeddings(), 0.5
-    dp0 = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=0.0,
-                     weighting="dpace", dpace_alpha=alpha, return_logits=True)
+    dp0 = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                     BlockLossOptions(confidence_weight=0.0, weighting="dpace", dpace_alpha=alpha), return_logits=True)
     index, (target_p, _) = supervised_block_targets(drafter, logits, block_label_rows(anchors, BLOCK),
                                                     block_label_mask(anchors, keep, loss_mask, BLOCK), ids.shape[1])
     num, den = 0.0, 0.0
@@ -171,10 +173,12 @@ def test_dpace_weighs_the_markov_biased_slots_and_keeps_the_decayed_confidence_l
                 num, den = num + weight * ce, den + weight
     assert den > 0
     torch.testing.assert_close(dp0.loss, torch.as_tensor(num / den, dtype=torch.float32), atol=1e-5, rtol=1e-5)
-    dp2 = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=2.0,
-                     weighting="dpace", dpace_alpha=alpha)
-    without = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=0.0)
-    weighted = block_loss(drafter, features, ids, logits, loss_mask, embed, anchors, keep, confidence_weight=2.0)
+    dp2 = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                     BlockLossOptions(confidence_weight=2.0, weighting="dpace", dpace_alpha=alpha))
+    without = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                         BlockLossOptions(confidence_weight=0.0))
+    weighted = block_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), anchors, keep,
+                          BlockLossOptions(confidence_weight=2.0))
     torch.testing.assert_close(dp2.loss - dp0.loss, weighted.loss - without.loss, atol=1e-5, rtol=1e-4)
 
 
@@ -182,32 +186,17 @@ def test_dpace_weighs_the_markov_biased_slots_and_keeps_the_decayed_confidence_l
 
 
 def trained(tmp_path_factory, steps=100):
-    target = Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
-    prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
-    config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-    rows = target.model.generate(prompts, generation_config=config)
-    loss_mask = torch.zeros_like(rows)
-    loss_mask[:, PROMPT:] = 1
+    target = untied_llama()
+    rows, loss_mask = continuations(target, PROMPT)
     vocab = build_draft_vocab([(rows, loss_mask)], VOCAB, 48)
     dconfig = DSparkConfig.from_target_config(target.config, 48, mask_token_id=0, num_layers=1, block_size=BLOCK,
                                               markov_rank=8, confidence_head=True)
     torch.manual_seed(0)
     drafter = DSparkDrafter(dconfig, vocab).attach_head(target.lm_head.weight)
-    with torch.no_grad():
-        out = target.model(rows, output_hidden_states=True)
-    features = fuse_features(out.hidden_states, dconfig.aux_layers)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        anchors, keep = sample_anchors(loss_mask, 16, generator)
-        loss = block_loss(drafter, features, rows, out.logits, loss_mask, target.embed_tokens, anchors, keep).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    path = tmp_path_factory.mktemp("dspark") / "ckpt"
-    save_checkpoint(path, family="dspark", config=asdict(dconfig), target=target_info(target),
-                    state_dict=drafter.state_dict(), extra={"step": steps})
-    return target, rows, path
+    batch = fused_batch(target, rows, loss_mask, dconfig.aux_layers)
+    generator = torch.Generator().manual_seed(0)  # the anchors
+    fit_drafter(drafter, lambda _: block_loss(drafter, batch, *sample_anchors(loss_mask, 16, generator)).loss, steps)
+    return target, rows, save_drafter(tmp_path_factory.mktemp("dspark") / "ckpt", "dspark", drafter, target, step=steps)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +206,7 @@ def checkpoint(tmp_path_factory):
 
 def ready(checkpoint, tree, **options):
     target, rows, path = checkpoint
-    proposer = dspark_proposer_from_checkpoint(load_checkpoint(path), target, tree, **options)
+    proposer = proposer_from_checkpoint(load_checkpoint(path), target, tree, **options)
     prompt = rows[0, :PROMPT]
     with torch.no_grad():
         out = target.model(prompt[None], output_hidden_states=True)
@@ -272,7 +261,7 @@ def test_greedy_decoding_equals_generate_with_and_without_the_gate(checkpoint, t
     config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     gates = ({}, {"conf_min": 0.5}, {"conf_min": 0.93}, {"conf_min": 0.95})  # none, some and every draft cut
     for options in gates if tree.startswith("chain") else ({},):
-        proposer = dspark_proposer_from_checkpoint(load_checkpoint(path), target, tree, **options)
+        proposer = proposer_from_checkpoint(load_checkpoint(path), target, tree, **options)
         for i in range(3):
             prompt = rows[i, :PROMPT]
             out, _ = speculative_generate(target, proposer, prompt, max_new_tokens=24)
@@ -283,13 +272,13 @@ def test_the_confidence_gate_drafts_less_and_is_refused_where_it_cannot_work(che
     target, rows, path = checkpoint
     drafted = {}
     for conf_min in (0.0, 0.9, 0.93, 0.95, 1.0):
-        proposer = dspark_proposer_from_checkpoint(load_checkpoint(path), target, "chain:4", conf_min=conf_min)
+        proposer = proposer_from_checkpoint(load_checkpoint(path), target, "chain:4", conf_min=conf_min)
         _, stats = speculative_generate(target, proposer, rows[1, :PROMPT], max_new_tokens=24)
         drafted[conf_min] = sum(size - 1 for size in stats.tree_sizes)  # draft nodes, root excluded
     counts = list(drafted.values())
     assert counts == sorted(counts, reverse=True) and counts[0] > 0 and drafted[1.0] == 0  # sigmoid < 1
     with pytest.raises(ValueError, match="cuts chains only; use a tree spec chain:K"):
-        dspark_proposer_from_checkpoint(load_checkpoint(path), target, "static:[[0],[1]]", conf_min=0.5)
+        proposer_from_checkpoint(load_checkpoint(path), target, "static:[[0],[1]]", conf_min=0.5)
     # the command-line spelling (eval/tau.py --proposer DIR:conf_min=P) builds the same gate
     gated = load_proposer(f"{path}:conf_min=0.95", target, parse_tree_spec("chain:4"))
     assert gated.conf_min == 0.95
@@ -313,7 +302,7 @@ def test_the_gate_needs_a_dspark_drafter_with_a_confidence_head(checkpoint, tmp_
 @pytest.mark.slow
 def test_sampled_decoding_reproduces_the_targets_distribution(checkpoint, tree):
     target, rows, path = checkpoint
-    proposer = dspark_proposer_from_checkpoint(load_checkpoint(path), target, tree, seed=5)
+    proposer = proposer_from_checkpoint(load_checkpoint(path), target, tree, seed=5)
     pvalue, accepted = first_two_tokens_pvalue(target.model, proposer, rows[3, :PROMPT])
     assert accepted > 40 and pvalue > 1e-3, (accepted, pvalue)
 
@@ -321,7 +310,7 @@ def test_sampled_decoding_reproduces_the_targets_distribution(checkpoint, tree):
 def test_trees_deeper_than_the_block_and_engine_formats_without_dspark_are_refused(checkpoint, tmp_path):
     target, _, path = checkpoint
     with pytest.raises(ValueError, match=r"chain:5 is 5 deep.*block_size - 1 = 4"):
-        dspark_proposer_from_checkpoint(load_checkpoint(path), target, "chain:5")
+        proposer_from_checkpoint(load_checkpoint(path), target, "chain:5")
     with pytest.raises(ExportError, match=r"dspark checkpoint to sglang is not supported .*use --format vllm or llama.cpp"):
         export_checkpoint(path, "sglang", tmp_path / "out", target=target)
     assert not (tmp_path / "out").exists()

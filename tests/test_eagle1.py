@@ -21,17 +21,18 @@ from drafters.layers import DraftKVCache, shift_left
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.export.eagle1 import check_eagle1_export, expected_shapes
-from drafters.decode.proposers.eagle1 import load_eagle1_proposer
-from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.proposers.loading import load_drafter_proposer, load_proposer
 from drafters.training.recipe import RecipeError
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import FrozenHead, Target
 from drafters.tiny import build_tiny_target
 from drafters.decode.tree import parse_tree_spec
-from conftest import greedy_reference, train_tiny, untied_llama  # tests/ is on sys.path under pytest
+from conftest import (continuations, fit_drafter, greedy_reference, save_drafter, train_tiny,  # tests/ on sys.path
+                      untied_llama)
 from drafters.errors import Stopped  # noqa: E402
 from drafters.training import loop  # noqa: E402  (fit calls loop.train_loop: patched there)
 from drafters.training.eagle1 import chain_loss
+from drafters.training.loop import FeatureBatch
 from test_sampling import chi_square_pvalue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def test_position_t_reads_feature_t_and_token_t_plus_1(hand_made):
     target, ids, loss_mask, features, logits = hand_made
     drafter, seen = new_drafter(target), []
     drafter.fc.register_forward_hook(lambda module, args, out: seen.append(args[0]))
-    chain_loss(drafter, features, ids, logits, loss_mask, target.embed_tokens)
+    chain_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, target.embed_tokens))
     h, fc_input = target.hidden_size, seen[0]  # (1, T, 2h) = cat(embed, feature), the official order
     for t in range(ids.shape[1] - 1):
         torch.testing.assert_close(fc_input[0, t, :h], target.embed_tokens(ids[0, t + 1]), atol=0, rtol=0)
@@ -107,8 +108,8 @@ def test_position_t_is_scored_against_feature_and_logits_of_t_plus_1(hand_made):
 
     def score(predicted):
         drafter = oracle(new_drafter(target), predicted)
-        return chain_loss(drafter, features, ids, logits, loss_mask, target.embed_tokens, feature_weight=1.0,
-                                     token_weight=0.1)
+        return chain_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, target.embed_tokens),
+                          feature_weight=1.0, token_weight=0.1)
 
     right = score(shift_left(features, 1))  # outputs the target's feature_{t+1} at t
     assert int(right.step_counts[0]) == supervised
@@ -138,7 +139,7 @@ def test_self_fed_chain_equals_drafting_with_a_kv_cache(hand_made):
     # step i of chain_loss at position t == the drafter stepped by hand on its own predicted features
     target, ids, loss_mask, features, logits = hand_made
     drafter, embed, steps = new_drafter(target).eval(), target.embed_tokens, 4
-    out = chain_loss(drafter, features, ids, logits, loss_mask, embed, steps=steps, return_logits=True)
+    out = chain_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, embed), steps=steps, return_logits=True)
     for t in (0, 5, ids.shape[1] - 1 - steps):
         cache = DraftKVCache()
         hidden, step_logits = drafter.prefill(features[:, :t + 1], ids[:, 1:t + 2], embed, cache)
@@ -234,37 +235,23 @@ def test_bad_eagle1_recipe_values_fail_clearly(trainer, tmp_path, override, mess
 # ---------------------------------------------------------------- decoding with an EAGLE-1 proposer
 
 
-def train_drafter(target, sequences, feature, steps=150):
-    loss_mask = torch.zeros_like(sequences)
-    loss_mask[:, PROMPT:] = 1
-    drafter = new_drafter(target, feature)
-    with torch.no_grad():
-        features, logits = feature_of(target, sequences, feature)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = chain_loss(drafter, features, sequences, logits, loss_mask, target.embed_tokens).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
-
-
 @pytest.fixture(scope="module", params=["pre_norm", "normed"])
 def trained(request, tmp_path_factory):
     target = untied_llama()
-    prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
-    references = greedy_reference(target.model, prompts, 40)  # (6, PROMPT + 40)
-    drafter = train_drafter(target, references, request.param)
-    path = tmp_path_factory.mktemp("eagle1") / request.param
-    save_checkpoint(path, family="eagle1", config=asdict(drafter.config), target=target_info(target),
-                    state_dict=drafter.state_dict())
+    references, loss_mask = continuations(target, PROMPT)  # (6, PROMPT + 40)
+    drafter = new_drafter(target, request.param)
+    with torch.no_grad():
+        features, logits = feature_of(target, references, request.param)
+    batch = FeatureBatch(features, references, logits, loss_mask, target.embed_tokens)
+    fit_drafter(drafter, lambda _: chain_loss(drafter, batch).loss, 150)
+    path = save_drafter(tmp_path_factory.mktemp("eagle1") / request.param, "eagle1", drafter, target)
     return target, references, path
 
 
 @pytest.mark.parametrize("tree", TREES)
 def test_greedy_matches_generate(trained, tree):
     target, references, path = trained
-    proposer = load_proposer(str(path), target, parse_tree_spec(tree))  # via FAMILY_LOADERS["eagle1"]
+    proposer = load_proposer(str(path), target, parse_tree_spec(tree))  # via FAMILY_PROPOSERS["eagle1"]
     taus = []
     for row in range(2):
         out, stats = speculative_generate(target, proposer, references[row, :PROMPT], max_new_tokens=NEW)
@@ -280,7 +267,7 @@ def test_sampled_decoding_reproduces_the_target_distribution(trained):
     # chi-square on (token 1, token 2) of 600 sampled generations, as tests/test_sampling.py: the EAGLE-1
     # drafts (sampled siblings without replacement, static tree) must not bias what the target emits
     target, references, path = trained
-    proposer = load_eagle1_proposer(path, target, "static:[[0],[1],[0,0],[1,0]]")
+    proposer = load_drafter_proposer(path, target, "static:[[0],[1],[0,0],[1,0]]")
     model, cfg, prompt = target.model, SamplingConfig(temperature=1.0, top_k=4), references[0, :PROMPT]
     p1 = warp(model(prompt[None]).logits[0, -1], cfg)
     firsts = p1.nonzero().flatten().tolist()
@@ -344,7 +331,7 @@ def test_checkpoint_of_another_family_or_target_is_refused(tmp_path):
     save_checkpoint(tmp_path / "e3", family="eagle3", config=asdict(eagle3), target=target_info(target),
                     state_dict=Eagle3Drafter(eagle3).state_dict())
     with pytest.raises(CheckpointError, match="a 'eagle3' checkpoint, expected 'eagle1'"):
-        load_eagle1_proposer(tmp_path / "e3", target, "chain:3")
+        load_drafter_proposer(tmp_path / "e3", target, "chain:3", family="eagle1")
     with pytest.raises(ExportError, match="export of a eagle3 checkpoint to eagle1"):
         export_checkpoint(tmp_path / "e3", "eagle1", tmp_path / "out", target=target)
     config = Eagle1Config.from_target_config(target.config)
@@ -352,9 +339,9 @@ def test_checkpoint_of_another_family_or_target_is_refused(tmp_path):
     save_checkpoint(tmp_path / "h32", family="eagle1", config=asdict(small), target=target_info(target),
                     state_dict=Eagle1Drafter(small).state_dict())
     with pytest.raises(CheckpointError, match="hidden_size: drafter 32 vs target 64"):
-        load_eagle1_proposer(tmp_path / "h32", target, "chain:3")
+        load_drafter_proposer(tmp_path / "h32", target, "chain:3")
     state = {k: v for k, v in Eagle1Drafter(config).state_dict().items() if k != "fc.bias"}
     save_checkpoint(tmp_path / "partial", family="eagle1", config=asdict(config), target=target_info(target),
                     state_dict=state)
     with pytest.raises(CheckpointError, match="(?s)weights do not match.*fc.bias"):
-        load_eagle1_proposer(tmp_path / "partial", target, "chain:3")
+        load_drafter_proposer(tmp_path / "partial", target, "chain:3")

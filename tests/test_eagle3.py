@@ -16,7 +16,8 @@ from drafters.layers import (
 )
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.losses import soft_cross_entropy_draft_vocab
-from drafters.training.eagle3 import ttt_loss
+from drafters.training.eagle3 import TTTOptions, ttt_loss
+from drafters.training.loop import FeatureBatch
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],
@@ -71,6 +72,16 @@ def decode_reference(drafter, features, input_ids, embed, t, steps):
     return step_logits  # step i: (B, Vd)
 
 
+def assert_ttt_matches_decoding(drafter, batch: FeatureBatch, positions):
+    """TTT step i's logits at each position t == the decoder's i-th draft from t (decode_reference), i < STEPS."""
+    with torch.no_grad():
+        out = ttt_loss(drafter, batch, TTTOptions(steps=STEPS), return_logits=True)
+        for t in positions:
+            reference = decode_reference(drafter, batch.features, batch.input_ids, batch.embed, t, STEPS)
+            for i in range(STEPS):
+                torch.testing.assert_close(out.step_logits[i][:, t], reference[i], atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_gemma3"])
 def setup(request):
     model, tokenizer = request.getfixturevalue(request.param)
@@ -86,15 +97,9 @@ STEPS = 4
 def test_ttt_equals_step_by_step_decoding_with_kv_cache(setup):
     model, drafter, features, input_ids, logits, loss_mask = setup
     embed = model.get_input_embeddings()
-    with torch.no_grad():
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
-                                  return_logits=True)
-        seq_len = input_ids.shape[1]
-        for t in (0, 3, seq_len // 2, seq_len - 1 - STEPS):
-            reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
-            for i in range(STEPS):
-                torch.testing.assert_close(out.step_logits[i][:, t], reference[i],
-                                           atol=1e-5, rtol=0)
+    seq_len = input_ids.shape[1]
+    assert_ttt_matches_decoding(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed),
+                                (0, 3, seq_len // 2, seq_len - 1 - STEPS))
 
 
 @pytest.mark.parametrize("tv_weight", [0.0, 1.0])
@@ -106,8 +111,8 @@ def test_fused_lm_head_loss_equals_the_logits_path(setup, tv_weight):
     results = []
     for return_logits in (True, False):
         drafter.zero_grad()
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
-                       tv_weight=tv_weight, return_logits=return_logits)
+        out = ttt_loss(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed),
+                       TTTOptions(steps=STEPS, tv_weight=tv_weight), return_logits=return_logits)
         out.loss.backward()
         results.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
     (reference, reference_grads), (fused, fused_grads) = results
@@ -144,8 +149,8 @@ def test_decoding_comparison_catches_a_wrong_ttt_mask(setup, wrong_mask, monkeyp
     monkeypatch.setattr(layers, "ttt_attention", dense_ttt_attention(wrong_mask))
     t = input_ids.shape[1] // 2
     with torch.no_grad():
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS,
-                                  return_logits=True)
+        out = ttt_loss(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed), TTTOptions(steps=STEPS),
+                       return_logits=True)
         reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
     torch.testing.assert_close(out.step_logits[0][:, t], reference[0], atol=1e-5, rtol=0)
     # step 2: the full-causal mask is wrong from step 1 on, the latest-step-only one from step 2
@@ -211,8 +216,8 @@ def test_ttt_losses_equal_hand_aligned_decoding_losses(tiny_llama, normalize):
     drafter = make_drafter(model, input_ids, loss_mask)
     embed, (batch, seq_len), steps = model.get_input_embeddings(), input_ids.shape, 3
     with torch.no_grad():
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=steps,
-                                  normalize=normalize, return_logits=True)
+        out = ttt_loss(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed),
+                       TTTOptions(steps=steps, normalize=normalize), return_logits=True)
         totals, counts = torch.zeros(steps), torch.zeros(steps)
         for t in range(seq_len - 2):
             steps_with_label = min(steps, seq_len - 2 - t)  # token t+2+i must exist
@@ -300,7 +305,7 @@ def test_training_reproduces_golden_losses_and_leaves_target_untouched(tiny_llam
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for _ in range(6):
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=3)
+        out = ttt_loss(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed), TTTOptions(steps=3))
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
@@ -406,12 +411,7 @@ def test_norm_options_keep_ttt_equal_to_step_by_step_decoding(tiny_llama, norms)
     layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
     features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, layers)
     drafter, embed = norm_drafter(model, input_ids, loss_mask, norms), model.get_input_embeddings()
-    with torch.no_grad():
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS, return_logits=True)
-        for t in (0, 3):
-            reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
-            for i in range(STEPS):
-                torch.testing.assert_close(out.step_logits[i][:, t], reference[i], atol=1e-5, rtol=0)
+    assert_ttt_matches_decoding(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed), (0, 3))
 
 
 def rms(x, weight, eps):
@@ -471,12 +471,8 @@ def test_a_deeper_drafter_keeps_ttt_equal_to_step_by_step_decoding(request, mode
     drafter, embed = deeper_drafter(model, input_ids, loss_mask), model.get_input_embeddings()
     assert sorted(k for k in drafter.state_dict() if k.startswith("layers.") and k.endswith("o_proj.weight")) == \
         ["layers.1.self_attn.o_proj.weight", "layers.2.self_attn.o_proj.weight"]
-    with torch.no_grad():
-        out = ttt_loss(drafter, features, input_ids, logits, loss_mask, embed, steps=STEPS, return_logits=True)
-        for t in (0, 3, input_ids.shape[1] - 1 - STEPS):
-            reference = decode_reference(drafter, features, input_ids, embed, t, STEPS)
-            for i in range(STEPS):
-                torch.testing.assert_close(out.step_logits[i][:, t], reference[i], atol=1e-5, rtol=0)
+    assert_ttt_matches_decoding(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed),
+                                (0, 3, input_ids.shape[1] - 1 - STEPS))
 
 
 def test_a_deeper_layer_computes_a_llama_decoder_layer_on_the_hidden_stream(tiny_llama):
@@ -517,3 +513,95 @@ def test_a_deeper_layer_computes_a_llama_decoder_layer_on_the_hidden_stream(tiny
 def test_a_drafter_without_layers_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="num_hidden_layers=0"):
         Eagle3Config.from_target_config(tiny_llama[0].config, 64, num_layers=0)
+
+
+# ---- speculators' training defaults: norm_output, sliding-window layers (docs/conventions.md) -----------------------
+
+WINDOW = 3  # positions: the tiny rows are ~20 tokens, so most keys fall outside it
+SPECULATORS_OPTIONS = [
+    {"norm_output": True},
+    {"layer_types": ["sliding_attention"], "sliding_window": WINDOW},
+    {"norm_output": True, "norm_before_fc": True, "norm_before_residual": True,
+     "layer_types": ["sliding_attention"], "sliding_window": WINDOW},  # speculators 0.9's eagle3 defaults
+    {"num_layers": 2, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": WINDOW},
+]
+
+
+def options_drafter(model, input_ids, loss_mask, options):
+    config = Eagle3Config.from_target_config(model.config, 64, **options)
+    vocab = build_draft_vocab([(input_ids, loss_mask)], config.vocab_size, 64)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, vocab)
+    with torch.no_grad():  # norms off their init (ones): a norm applied twice or not at all changes the logits
+        for name, param in drafter.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return drafter
+
+
+@pytest.mark.parametrize("options", SPECULATORS_OPTIONS, ids=["norm_output", "window", "speculators", "two_layers"])
+def test_speculators_options_keep_ttt_equal_to_step_by_step_decoding(tiny_llama, options):
+    model, tokenizer = tiny_llama
+    layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, layers)
+    drafter, embed = options_drafter(model, input_ids, loss_mask, options), model.get_input_embeddings()
+    seq_len = input_ids.shape[1]
+    assert_ttt_matches_decoding(drafter, FeatureBatch(features, input_ids, logits, loss_mask, embed),
+                                (0, 3, seq_len // 2, seq_len - 1 - STEPS))
+
+
+def test_the_window_and_norm_output_change_what_is_drafted(tiny_llama):
+    # controls: the same weights without the option draft otherwise (the option is not silently ignored)
+    model, tokenizer = tiny_llama
+    layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
+    features, input_ids, _, loss_mask = target_inputs(model, tokenizer, layers)
+    embed, t = model.get_input_embeddings(), input_ids.shape[1] // 2
+    plain = options_drafter(model, input_ids, loss_mask, {})
+    with torch.no_grad():
+        want = decode_reference(plain, features, input_ids, embed, t, STEPS)
+        for options in SPECULATORS_OPTIONS[:2]:
+            drafter = options_drafter(model, input_ids, loss_mask, options)
+            drafter.load_state_dict(plain.state_dict())
+            got = decode_reference(drafter, features, input_ids, embed, t, STEPS)
+            assert not torch.allclose(got[-1], want[-1], atol=1e-3), options
+
+
+def test_norm_output_and_the_window_compute_what_speculators_names_them(tiny_llama):
+    """norm_output: the step's output hidden is norm(layer output) and lm_head reads it as it is (no second norm);
+    a sliding layer at position p sees the keys at positions p - window + 1 .. p only (HF's and vLLM's rule)."""
+    model, tokenizer = tiny_llama
+    h = model.config.hidden_size
+    input_ids, loss_mask = chat_batch(tokenizer)
+    x, e, pos = torch.randn(1, 6, h), torch.randn(1, 6, h), torch.arange(6)[None]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    with torch.no_grad():
+        plain = options_drafter(model, input_ids, loss_mask, {})
+        post = options_drafter(model, input_ids, loss_mask, {"norm_output": True})
+        post.load_state_dict(plain.state_dict())
+        out, _ = plain.backbone(e, x, pos, None, causal)
+        normed, _ = post.backbone(e, x, pos, None, causal)
+        torch.testing.assert_close(normed, plain.norm(out))
+        torch.testing.assert_close(post.compute_logits(normed), plain.compute_logits(out))
+        windowed = options_drafter(model, input_ids, loss_mask, {"layer_types": ["sliding_attention"],
+                                                                 "sliding_window": WINDOW})
+        windowed.load_state_dict(plain.state_dict())
+        banded = causal & ~torch.ones(6, 6, dtype=torch.bool).tril(-WINDOW)  # keys p - 2 .. p
+        torch.testing.assert_close(windowed.backbone(e, x, pos, None, causal, key_positions=pos)[0],
+                                   plain.backbone(e, x, pos, None, banded)[0])
+    with pytest.raises(ValueError, match="one of .* per decoder layer"):
+        Eagle3Config.from_target_config(model.config, 64, layer_types=["sliding_attention"] * 2)
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        Eagle3Config.from_target_config(model.config, 64, layer_types=["sliding_attention"])
+
+
+def test_norm_output_fused_loss_equals_the_logits_path(tiny_llama):
+    # the fused LM-head loss reads head_input (no second norm under norm_output), as compute_logits does
+    model, tokenizer = tiny_llama
+    layers = Eagle3Config.from_target_config(model.config, 64).aux_layers
+    features, input_ids, logits, loss_mask = target_inputs(model, tokenizer, layers)
+    drafter, embed = options_drafter(model, input_ids, loss_mask, SPECULATORS_OPTIONS[2]), model.get_input_embeddings()
+    with torch.no_grad():
+        batch = FeatureBatch(features, input_ids, logits, loss_mask, embed)
+        reference = ttt_loss(drafter, batch, TTTOptions(steps=STEPS), return_logits=True)
+        fused = ttt_loss(drafter, batch, TTTOptions(steps=STEPS))
+    torch.testing.assert_close(fused.step_losses, reference.step_losses, rtol=1e-5, atol=1e-7)

@@ -11,17 +11,18 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from conftest import greedy_reference, target_features, untied_llama  # tests/ is on sys.path under pytest
+from conftest import (continuations, fit_drafter, fused_batch, save_drafter, target_features,  # tests/ on sys.path
+                      untied_llama)
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_info
 from drafters.decode.decoder import speculative_generate
 from drafters.draft_vocab import build_draft_vocab
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.layers import DraftKVCache
 from drafters.decode.proposers.adaptive import AdaptiveChain
-from drafters.decode.proposers.eagle import load_eagle_proposer
+from drafters.decode.proposers.loading import load_drafter_proposer
 from drafters.decode.sampling import SamplingConfig
 from drafters.targets import Target
-from drafters.training.eagle3 import ttt_loss
+from drafters.training.eagle3 import TTTOptions, ttt_loss
 
 VOCAB, PROMPT, NEW = 259, 12, 30
 TREES = ["chain:4", "static:eagle1", "dynamic:total=12,depth=4,topk=4"]
@@ -31,24 +32,14 @@ GREEDY = SamplingConfig()
 
 
 
-def train_drafter(target, sequences, steps=100, num_layers=1) -> Eagle3Drafter:
-    loss_mask = torch.zeros_like(sequences)
-    loss_mask[:, PROMPT:] = 1
+def train_drafter(target, sequences, loss_mask, steps=100, num_layers=1) -> Eagle3Drafter:
     config = Eagle3Config.from_target_config(target.config, draft_vocab_size=32, num_layers=num_layers)
     vocab = build_draft_vocab([(sequences, loss_mask)], VOCAB, 32)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config, vocab)
     drafter.init_from_target(target.lm_head.weight, vocab)
-    with torch.no_grad():
-        out = target.model(sequences, output_hidden_states=True)
-    features = fuse_features(out.hidden_states, config.aux_layers)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = ttt_loss(drafter, features, sequences, out.logits, loss_mask, target.embed_tokens, steps=3).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
+    batch = fused_batch(target, sequences, loss_mask, config.aux_layers)
+    return fit_drafter(drafter, lambda _: ttt_loss(drafter, batch, TTTOptions(steps=3)).loss, steps)
 
 
 # llama-deep: a drafter of two decoder layers (their keys share one cache along the head axis: the tree mask, the
@@ -59,12 +50,9 @@ def setup(request, tmp_path_factory):
         target = untied_llama()
     else:
         target = Target(*request.getfixturevalue("tiny_gemma3"), "tiny-random-gemma3")
-    prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
-    references = greedy_reference(target.model, prompts, 40)  # (6, PROMPT + 40)
-    drafter = train_drafter(target, references, num_layers=2 if request.param == "llama-deep" else 1)
-    path = tmp_path_factory.mktemp("ckpt") / request.param
-    save_checkpoint(path, family="eagle3", config=asdict(drafter.config), target=target_info(target),
-                    state_dict=drafter.state_dict(), extra={"step": 100})
+    references, loss_mask = continuations(target, PROMPT)  # (6, PROMPT + 40)
+    drafter = train_drafter(target, references, loss_mask, num_layers=2 if request.param == "llama-deep" else 1)
+    path = save_drafter(tmp_path_factory.mktemp("ckpt") / request.param, "eagle3", drafter, target, step=100)
     return target, references, path
 
 
@@ -86,7 +74,7 @@ def drafter_along(proposer, model, prompt, path):
 def ready(setup, tree, prompt_index=0):
     # a proposer reset on prompt `prompt_index`, as the decoder leaves it after the prefill
     target, references, path = setup
-    proposer = load_eagle_proposer(path, target, tree)
+    proposer = load_drafter_proposer(path, target, tree)
     prompt = references[prompt_index, :PROMPT]
     proposer.reset(prompt, target_features(target.model, prompt, proposer.needs.layers))
     return proposer, target.model, prompt, int(references[prompt_index, PROMPT])  # pending = 1st new token
@@ -104,7 +92,7 @@ def to_target(proposer, probs):
 @pytest.mark.parametrize("tree", TREES)
 def test_greedy_matches_generate(setup, tree):
     target, references, path = setup
-    proposer = load_eagle_proposer(path, target, tree)
+    proposer = load_drafter_proposer(path, target, tree)
     taus = []
     for row in range(2):
         prompt = references[row, :PROMPT]
@@ -117,7 +105,7 @@ def test_greedy_matches_generate(setup, tree):
 
 def test_adaptive_chain_drives_the_chain_length(setup):
     target, references, path = setup
-    proposer = AdaptiveChain(load_eagle_proposer(path, target, "chain:2"))
+    proposer = AdaptiveChain(load_drafter_proposer(path, target, "chain:2"))
     out, stats = speculative_generate(target, proposer, references[1, :PROMPT], max_new_tokens=NEW)
     assert out.tolist() == references[1, : PROMPT + NEW].tolist()
     assert len(set(stats.tree_depths)) > 1
@@ -206,7 +194,7 @@ class CheckedAgainstScratch:
                                             ("static:eagle1", SamplingConfig(temperature=0.5, seed=1))])
 def test_cache_after_update_equals_cache_built_from_scratch(setup, tree, sampling):
     target, references, path = setup
-    checked = CheckedAgainstScratch(load_eagle_proposer(path, target, tree), target.model)
+    checked = CheckedAgainstScratch(load_drafter_proposer(path, target, tree), target.model)
     _, stats = speculative_generate(target, checked, references[0, :PROMPT], max_new_tokens=NEW, sampling=sampling)
     assert checked.rounds == stats.num_rounds
     assert max(stats.accepted[:-1]) >= 2  # multi-token updates (and dropped tree branches) happened
@@ -238,7 +226,7 @@ class Recording:
 ])
 def test_sampled_decoding_proposes_valid_trees(setup, tree, sampling):
     target, references, path = setup
-    recording = Recording(load_eagle_proposer(path, target, tree))
+    recording = Recording(load_drafter_proposer(path, target, tree))
     out, stats = speculative_generate(target, recording, references[2, :PROMPT], max_new_tokens=NEW,
                                       sampling=sampling, generator=torch.Generator().manual_seed(0))
     assert out.shape == (PROMPT + NEW,) and 1 + sum(a + 1 for a in stats.accepted) == NEW
@@ -265,14 +253,14 @@ def test_checkpoint_for_another_target_is_refused(setup, tmp_path):
     save_checkpoint(tmp_path / "h32", family="eagle3", config=asdict(small), target=target_info(target),
                     state_dict=Eagle3Drafter(small).state_dict())
     with pytest.raises(CheckpointError, match="hidden_size: drafter 32 vs target 64"):
-        load_eagle_proposer(tmp_path / "h32", target, "chain:3")
+        load_drafter_proposer(tmp_path / "h32", target, "chain:3")
     deeper = {**target_info(target), "num_layers": 30, "hidden_size": 576}  # recorded for another target
     save_checkpoint(tmp_path / "other", family="eagle3", config=asdict(config), target=deeper,
                     state_dict=Eagle3Drafter(config).state_dict())
     with pytest.raises(CheckpointError, match="num_layers: checkpoint 30 vs target 8"):
-        load_eagle_proposer(tmp_path / "other", target, "chain:3")
+        load_drafter_proposer(tmp_path / "other", target, "chain:3")
     state = {k: v for k, v in Eagle3Drafter(config).state_dict().items() if k != "norm.weight"}
     save_checkpoint(tmp_path / "partial", family="eagle3", config=asdict(config), target=target_info(target),
                     state_dict=state)
     with pytest.raises(CheckpointError, match="(?s)weights do not match.*norm.weight"):
-        load_eagle_proposer(tmp_path / "partial", target, "chain:3")
+        load_drafter_proposer(tmp_path / "partial", target, "chain:3")

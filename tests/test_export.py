@@ -147,11 +147,17 @@ CORRUPTIONS = {
         lambda t: t.update({"embed_tokens.weight": torch.zeros(259, 64)})), "unexpected"),
     "embedding of another shape": ("vllm", edit_tensors(
         lambda t: t.update({"embed_tokens.weight": torch.zeros(300, 64)})), "embed_tokens"),
-    "EAGLE-3.1 output norm": ("vllm", edit_config(lambda c: c.update(norm_output=True)), "norm_output"),
+    # read (speculators' defaults, vLLM serves them), and not the source's: its logits would differ
+    "EAGLE-3.1 output norm": ("vllm", edit_config(lambda c: c.update(norm_output=True)),
+                              "config read back differs.*norm_output"),
     "EAGLE-3.1 fc norm in eagle_config": ("sglang", edit_config(
         lambda c: c["eagle_config"].update(norm_before_fc=True)), "norm_before_fc"),
     "sliding-window draft layer": ("vllm", edit_config(lambda c: c["transformer_layer_config"].update(
-        layer_types=["sliding_attention"], sliding_window=2048)), "sliding-window"),
+        layer_types=["sliding_attention"], sliding_window=2048)), "config read back differs.*layer_types"),
+    "sliding-window layer for SGLang": ("sglang", edit_config(lambda c: c.update(
+        layer_types=["sliding_attention"], sliding_window=2048)), "--speculative-draft-window-size"),
+    "sliding layer without a window": ("vllm", edit_config(lambda c: c["transformer_layer_config"].update(
+        layer_types=["sliding_attention"], sliding_window=None)), "sliding_window"),
     "wrong shape": ("sglang", edit_tensors(
         lambda t: t.update({"fc.weight": t["fc.weight"][:, :128].contiguous()})), "shapes"),
     "wrong d2t dtype": ("vllm", edit_tensors(
@@ -420,3 +426,101 @@ def test_a_deeper_drafter_travels_in_the_vllm_layout_only(tmp_path, target):
     assert refusals("eagle3", asdict(config), target) == [
         "3 decoder layers: llama.cpp's EAGLE-3 graph runs exactly one; serve this drafter with vLLM (export --format "
         "vllm), or train num_layers=1"]
+
+
+# ---- speculators' training defaults: post-norm output, sliding-window layers, the whole vocabulary -----------------
+
+SPECULATORS_DEFAULTS = {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True,
+                        "layer_types": ["sliding_attention"], "sliding_window": 4}  # its window is 2048: 4 here bites
+SPECULATORS_OPTIONS = {"norm_output": {"norm_output": True},
+                       "window": {"layer_types": ["sliding_attention"], "sliding_window": 4},
+                       "speculators defaults": SPECULATORS_DEFAULTS}
+
+
+def options_checkpoint(path, target, options, draft_vocab_size=32):
+    config = Eagle3Config.from_target_config(target.config, draft_vocab_size, **options)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            param.add_(torch.randn_like(param) * 0.1)  # norms off 1.0: a norm dropped or doubled changes the drafts
+    return save_checkpoint(path, family="eagle3", config=asdict(config), target=target_info(target),
+                           state_dict=drafter.state_dict())
+
+
+def decode_runs(sources, target, max_new_tokens=24):
+    """(output, drafted chains) of greedy speculative decoding with each source's drafter; the prompt and the
+    output outgrow the window of 4."""
+    from drafters.decode.decoder import speculative_generate
+    from drafters.decode.proposers.loading import load_proposer
+    from drafters.decode.tree import parse_tree_spec
+
+    prompt, runs = torch.tensor([5, 17, 99, 42, 7, 7, 130, 64]), []
+    for source in sources:
+        proposer = load_proposer(str(source), target, parse_tree_spec("chain:3"))
+        trees, propose = [], proposer.propose
+        proposer.propose = lambda *a: trees.append(propose(*a)) or trees[-1]
+        out, _ = speculative_generate(target.model, proposer, prompt, max_new_tokens=max_new_tokens,
+                                      eos_token_ids=set())
+        runs.append((out.tolist(), [t.tokens.tolist() for t in trees]))
+    return prompt, runs
+
+
+@pytest.mark.parametrize("name", SPECULATORS_OPTIONS)
+def test_speculators_options_travel_in_the_vllm_layout_and_decode_losslessly(tmp_path, name):
+    """norm_output and a sliding-window layer (speculators' eagle3 defaults, which vLLM serves): the vllm export
+    writes them, the independent reader rebuilds the drafter and its logits equal the source's, decoding from the
+    export drafts the checkpoint's chains and reproduces greedy generate; SGLang's layout and llama.cpp refuse them,
+    each in one sentence naming the field."""
+    from conftest import greedy_reference, untied_llama
+    from drafters.export.llama_cpp import refusals
+
+    target, options = untied_llama(), SPECULATORS_OPTIONS[name]
+    ckpt = options_checkpoint(tmp_path / "ckpt", target, options)
+    result = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", target=target)
+    written = read_config(tmp_path / "vllm")
+    assert written["norm_output"] == options.get("norm_output", False)
+    assert written["transformer_layer_config"].get("layer_types") == options.get("layer_types")
+    assert written["transformer_layer_config"].get("sliding_window") == options.get("sliding_window")
+    assert result.check.max_logit_diff <= 1e-5
+    prompt, runs = decode_runs([ckpt, tmp_path / "vllm"], target)
+    assert runs[0] == runs[1] and sum(len(chain) > 1 for _, chains in runs for chain in chains) > 0
+    assert runs[0][0] == greedy_reference(target.model, prompt[None], 24)[0].tolist()
+    sglang = "norm options" if options.get("norm_output") else "--speculative-draft-window-size"
+    with pytest.raises(ExportError, match=sglang):
+        export_checkpoint(ckpt, "sglang", tmp_path / "sglang", target=target)
+    said = " ".join(refusals("eagle3", load_checkpoint(ckpt).config, target))
+    assert all((field in said) == (field in options) for field in ("norm_output", "layer_types"))
+
+
+def test_speculators_default_output_drafts_here(tmp_path):
+    """What `speculators train` saves with its eagle3 defaults: Eagle3DraftModel, norm_before_fc, norm_output and
+    norm_before_residual on, one sliding-window layer, the target's whole vocabulary with no d2t / t2d (vLLM: draft
+    id = target id), rope_parameters, dtype at the top level, target_hidden_size null. Read as vLLM reads it, it
+    drafts what the checkpoint it was made from drafts."""
+    from conftest import untied_llama
+    from drafters.export.eagle3_reader import read_eagle3_export
+
+    target = untied_llama()
+    ckpt = options_checkpoint(tmp_path / "ckpt", target, SPECULATORS_DEFAULTS, draft_vocab_size=target.vocab_size)
+    export_checkpoint(ckpt, "vllm", tmp_path / "vllm", target=target)
+    saved = shutil.copytree(tmp_path / "vllm", tmp_path / "speculators")
+    edit_tensors(lambda t: [t.pop(k) for k in ("d2t", "t2d")])(saved)
+    config = read_config(saved)
+    layer = config["transformer_layer_config"]
+    layer["rope_parameters"] = {"rope_theta": layer.pop("rope_theta"), "rope_type": "default"}
+    del layer["rope_scaling"], layer["torch_dtype"]
+    layer["use_sliding_window"] = True
+    config.update(architectures=["Eagle3DraftModel"], target_hidden_size=None, dtype="float32")
+    (saved / "config.json").write_text(json.dumps(config))
+    notes = []
+    read, _, _, _ = read_eagle3_export(saved, "vllm", notes=notes)
+    assert (read.norm_output, read.layer_types, read.sliding_window) == (True, ["sliding_attention"], 4)
+    assert any("draft id i = target id i" in note for note in notes)
+    _, runs = decode_runs([ckpt, saved], target)
+    assert runs[0] == runs[1]
+    # control: a reduced vocabulary without its mapping is refused (the identity holds for the whole one only)
+    edit_tensors(lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1].contiguous()}))(saved)
+    edit_config(lambda c: c.update(draft_vocab_size=target.vocab_size - 1))(saved)
+    with pytest.raises(ExportCheckError, match="missing.*d2t"):
+        read_eagle3_export(saved, "vllm")

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from drafters.decode.proposers.loading import FAMILY_LOADERS
+from drafters.decode.proposers.loading import FAMILY_PROPOSERS
 from drafters.export.dispatch import EXPORTERS
-from drafters.registry import FAMILIES, NAMES
+from drafters.registry import FAMILIES
 from drafters.training.families import TRAINING_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 TABLES = {"drafters.training.families.TRAINING_FAMILIES": TRAINING_FAMILIES,
-          "drafters.decode.proposers.loading.FAMILY_LOADERS": FAMILY_LOADERS,
+          "drafters.decode.proposers.loading.FAMILY_PROPOSERS": FAMILY_PROPOSERS,
           "drafters.export.dispatch.EXPORTERS": {family for family, _ in EXPORTERS},
-          "drafters.registry.NAMES": NAMES, "drafters.registry.FAMILIES": FAMILIES}
+          "drafters.registry.FAMILIES": FAMILIES}
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))

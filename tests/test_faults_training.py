@@ -277,11 +277,11 @@ def test_a_draft_vocab_larger_than_the_targets_is_said(tmp_path, capsys):
 
 
 def test_an_eagle3_layer_list_export_will_refuse_is_warned_at_the_start(capsys):
-    from drafters.training.eagle3 import Eagle3Recipe, warn_about_layers
-    from drafters.training.recipe import load_recipe
+    from drafters.training.eagle3 import warn_about_layers
+    from drafters.training.families import load_recipe
 
     for layers, warned in (("[2, 5]", True), ("[2, 4, 5]", False), ("null", False)):
-        warn_about_layers(load_recipe("recipes/eagle3_tiny.yaml", [f"layers={layers}"], schema=Eagle3Recipe))
+        warn_about_layers(load_recipe(["recipes/eagle3_tiny.yaml", f"layers={layers}"]))
         out = capsys.readouterr().out
         assert ("layers=[2, 5] are 2 aux layers: training works, but export to sglang / vllm will refuse the "
                 "drafter (both engines build fc for exactly 3)" in out) == warned, out
@@ -431,8 +431,8 @@ def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
     import dataclasses
     from typing import Literal
 
-    from drafters.training.eagle3 import Eagle3Recipe
-    from drafters.training.recipe import load_recipe
+    from drafters.training.families import load_recipe
+    from drafters.training.recipe import load_dataclass
 
     @dataclasses.dataclass
     class Schema:
@@ -442,11 +442,11 @@ def test_yaml_booleans_read_as_the_literal_word_the_user_wrote(tmp_path):
 
     path = tmp_path / "r.yaml"
     path.write_text("precision: no\nswitch: off\n")
-    assert load_recipe(path, schema=Schema) == Schema(precision="no", switch="off")
-    assert load_recipe(path, ["precision=no", "switch=on"], schema=Schema) == Schema(precision="no", switch="on")
+    assert load_dataclass(path, schema=Schema) == Schema(precision="no", switch="off")
+    assert load_dataclass(path, ["precision=no", "switch=on"], schema=Schema) == Schema(precision="no", switch="on")
     with pytest.raises(RecipeError, match=r"override 'mode=yes' \(command line\): True is not one of 'online', 'offline'"):
-        load_recipe(path, ["mode=yes"], schema=Schema)  # no word of this Literal: still refused
-    recipe = load_recipe("recipes/eagle3_tiny.yaml", ["mixed_precision=no"], schema=Eagle3Recipe)
+        load_dataclass(path, ["mode=yes"], schema=Schema)  # no word of this Literal: still refused
+    recipe = load_recipe(["recipes/eagle3_tiny.yaml", "mixed_precision=no"])
     assert recipe.mixed_precision == "no"
 
 

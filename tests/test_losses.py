@@ -278,6 +278,7 @@ def test_heads_distill_from_label_rows_as_from_the_whole_logits(family):
 def test_eagle1_scores_label_rows_as_the_whole_logits():
     from drafters.eagle1 import Eagle1Config, Eagle1Drafter
     from drafters.training.eagle1 import chain_loss
+    from drafters.training.loop import FeatureBatch
     from transformers import LlamaConfig
 
     B, T, D, V = 2, 12, 64, 259
@@ -294,7 +295,7 @@ def test_eagle1_scores_label_rows_as_the_whole_logits():
     for labels in (head(features.reshape(B * T, D)).reshape(B, T, V), LabelLogits(features, head)):
         drafter.zero_grad()
         head.rows.clear()
-        out = chain_loss(drafter, features, ids, labels, loss_mask, embed, steps=3)
+        out = chain_loss(drafter, FeatureBatch(features, ids, labels, loss_mask, embed), steps=3)
         out.loss.backward()
         results.append((out.loss.detach(), out.step_accuracies, out.step_counts, gradients(drafter),
                         [r for r in head.rows]))
@@ -320,6 +321,7 @@ def test_projections_onto_the_vocabulary_in_row_chunks_equal_one_pass(family, mo
     from drafters.heads import heads_loss
     from drafters.medusa import MedusaConfig, MedusaHeads
     from drafters.training.eagle1 import chain_loss
+    from drafters.training.loop import FeatureBatch
 
     B, T, D, V, K = 2, 13, 16, 45, 3
     gen = torch.Generator().manual_seed(6)
@@ -333,7 +335,7 @@ def test_projections_onto_the_vocabulary_in_row_chunks_equal_one_pass(family, mo
         drafter, embed = Eagle1Drafter(config).attach_head(head), torch.nn.Embedding(V, D)
 
         def run():
-            out = chain_loss(drafter, hidden, ids, LabelLogits(hidden, head), loss_mask, embed, steps=2)
+            out = chain_loss(drafter, FeatureBatch(hidden, ids, LabelLogits(hidden, head), loss_mask, embed), steps=2)
             return out.loss, out.step_accuracies
     else:
         drafter = (MedusaHeads(MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=1))
@@ -418,7 +420,8 @@ def test_ttt_loss_with_recomputed_labels_equals_the_label_table(divergence):
     # drafter gradient equal the table schedule's (the label head's matmul over other rows: float32 tolerance)
     from drafters.draft_vocab import build_draft_vocab
     from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from drafters.training.eagle3 import ttt_loss
+    from drafters.training.eagle3 import TTTOptions, ttt_loss
+    from drafters.training.loop import FeatureBatch
 
     torch.manual_seed(0)
     V, h, draft = 64, 32, 24
@@ -434,8 +437,8 @@ def test_ttt_loss_with_recomputed_labels_equals_the_label_table(divergence):
     runs = []
     for recompute in (False, True):
         drafter.zero_grad()
-        out = ttt_loss(drafter, features, ids, LabelLogits(hidden, head), loss_mask, embed, steps=7,
-                       divergence=divergence, recompute=recompute)
+        out = ttt_loss(drafter, FeatureBatch(features, ids, LabelLogits(hidden, head), loss_mask, embed),
+                       TTTOptions(steps=7, divergence=divergence, recompute=recompute))
         out.loss.backward()
         runs.append((out.loss.detach(), out.step_accuracies, gradients(drafter)))
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-7)

@@ -13,21 +13,20 @@ tests/test_contracts.py's; speculators' own P-EAGLE reproducing our logits is te
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_tiny  # tests/ is on sys.path under pytest
+from conftest import (continuations, fit_drafter, fused_batch, save_drafter, train_tiny,  # tests/ on sys.path
+                      untied_llama)
 from safetensors.torch import load_file, save_file
 from test_sampling import first_two_tokens_pvalue
 from transformers import GenerationConfig
 
 from drafters import peagle
-from drafters.checkpoint import load_checkpoint, save_checkpoint, target_info
+from drafters.checkpoint import load_checkpoint
 from drafters.decode.decoder import speculative_generate
-from drafters.decode.proposers.loading import load_proposer
-from drafters.decode.proposers.peagle import peagle_proposer_from_checkpoint
+from drafters.decode.proposers.loading import load_proposer, proposer_from_checkpoint
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import parse_tree_spec
 from drafters.draft_vocab import DraftVocab, build_draft_vocab
@@ -36,8 +35,8 @@ from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
 from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter, chain_attention_mask, sample_chains
-from drafters.targets import Target, TargetFeatures
-from drafters.tiny import build_tiny_target
+from drafters.targets import TargetFeatures
+from drafters.training.loop import FeatureBatch
 from drafters.training.peagle import parallel_loss
 from drafters.training.recipe import RecipeError
 
@@ -145,7 +144,8 @@ def test_drop_token_keeps_nested_fractions_of_eligible_starts():
 
 def test_the_loss_is_one_mean_over_every_counted_slot(setup):
     model, drafter, ids, loss_mask, features, logits, starts, keep = setup
-    out = parallel_loss(drafter, features, ids, logits, loss_mask, model.get_input_embeddings(), starts, keep)
+    out = parallel_loss(drafter, FeatureBatch(features, ids, logits, loss_mask, model.get_input_embeddings()), starts,
+                        keep)
     mean = (out.step_losses * out.step_counts).sum() / out.step_counts.sum()  # per-depth means, count-weighted
     torch.testing.assert_close(out.loss, mean, atol=1e-5, rtol=1e-5)
     assert out.step_counts[0] > out.step_counts[1] > out.step_counts[-1] > 0  # fewer chains deeper
@@ -156,37 +156,26 @@ def test_the_loss_is_one_mean_over_every_counted_slot(setup):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    target = Target(*build_tiny_target("tiny-random-llama", untied_head_seed=1), "tiny-random-llama")
-    prompts = torch.randint(3, VOCAB, (6, PROMPT), generator=torch.Generator().manual_seed(0))
-    config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-    rows = target.model.generate(prompts, generation_config=config)
-    loss_mask = torch.zeros_like(rows)
-    loss_mask[:, PROMPT:] = 1
+    target = untied_llama()
+    rows, loss_mask = continuations(target, PROMPT)
     vocab = build_draft_vocab([(rows, loss_mask)], VOCAB, 48)
     pconfig = PEagleConfig.from_target_config(target.config, 48, depth=K, mask_token_id=0)
     torch.manual_seed(0)
     drafter = PEagleDrafter(pconfig, vocab)
     drafter.init_from_target(target.lm_head.weight)
-    with torch.no_grad():
-        out = target.model(rows, output_hidden_states=True)
-    features = fuse_features(out.hidden_states, pconfig.aux_layers)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    batch = fused_batch(target, rows, loss_mask, pconfig.aux_layers)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(100):
-        starts, keep = sample_chains(loss_mask, K, 0.7, 0.2, generator)
-        loss = parallel_loss(drafter, features, rows, out.logits, loss_mask, target.embed_tokens, starts, keep).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    path = tmp_path_factory.mktemp("peagle") / "ckpt"
-    save_checkpoint(path, family="peagle", config=asdict(pconfig), target=target_info(target),
-                    state_dict=drafter.state_dict(), extra={"step": 100})
-    return target, rows, path
+
+    def loss(_):
+        return parallel_loss(drafter, batch, *sample_chains(loss_mask, K, 0.7, 0.2, generator)).loss
+
+    fit_drafter(drafter, loss, 100)
+    return target, rows, save_drafter(tmp_path_factory.mktemp("peagle") / "ckpt", "peagle", drafter, target, step=100)
 
 
 def ready(checkpoint, tree):
     target, rows, path = checkpoint
-    proposer = peagle_proposer_from_checkpoint(load_checkpoint(path), target, tree)
+    proposer = proposer_from_checkpoint(load_checkpoint(path), target, tree)
     prompt = rows[0, :PROMPT]
     with torch.no_grad():
         out = target.model(prompt[None], output_hidden_states=True)
@@ -217,7 +206,7 @@ def test_drafts_are_each_rows_argmax_and_sampled_probs_are_the_rows(checkpoint):
 def test_dynamic_trees_decode_as_generate(checkpoint):
     target, rows, path = checkpoint
     config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    proposer = peagle_proposer_from_checkpoint(load_checkpoint(path), target, "dynamic:total=10,depth=4,topk=3")
+    proposer = proposer_from_checkpoint(load_checkpoint(path), target, "dynamic:total=10,depth=4,topk=3")
     accepted = 0
     for i in range(3):
         prompt = rows[i, :PROMPT]
@@ -232,7 +221,7 @@ def test_dynamic_trees_decode_as_generate(checkpoint):
 @pytest.mark.slow
 def test_sampled_decoding_reproduces_the_targets_distribution(checkpoint, tree):
     target, rows, path = checkpoint
-    proposer = peagle_proposer_from_checkpoint(load_checkpoint(path), target, tree, seed=5)
+    proposer = proposer_from_checkpoint(load_checkpoint(path), target, tree, seed=5)
     pvalue, accepted = first_two_tokens_pvalue(target.model, proposer, rows[3, :PROMPT])
     assert accepted > 40 and pvalue > 1e-3, (accepted, pvalue)
 
@@ -240,7 +229,7 @@ def test_sampled_decoding_reproduces_the_targets_distribution(checkpoint, tree):
 def test_refusals_name_the_depth_and_the_formats(checkpoint, tmp_path):
     target, _, path = checkpoint
     with pytest.raises(ValueError, match=r"chain:5 is 5 deep, but this P-EAGLE drafter drafts 4 tokens per pass"):
-        peagle_proposer_from_checkpoint(load_checkpoint(path), target, "chain:5")
+        proposer_from_checkpoint(load_checkpoint(path), target, "chain:5")
     with pytest.raises(ExportError, match="needs --target: speculators' P-EAGLE loads its token embedding"):
         export_checkpoint(path, "vllm", tmp_path / "a")
     with pytest.raises(ExportError, match=r"peagle checkpoint to llama.cpp is not supported .*use --format vllm"):

@@ -4,7 +4,7 @@ from typing import Literal
 
 import pytest
 
-from drafters.training.recipe import RecipeError, load_recipe
+from drafters.training.recipe import RecipeError, load_dataclass
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ def write(tmp_path, text):
 
 def test_nested_values_overrides_and_coercion(tmp_path):
     path = write(tmp_path, "# python train/x.py r.yaml\ntarget: tiny-random-llama\noptim:\n  lr: 3e-4\n")
-    recipe = load_recipe(path, ["steps=5", "optim.betas=[0.8, 0.9]", "layers=[2, 4, 5]"], schema=Schema)
+    recipe = load_dataclass(path, ["steps=5", "optim.betas=[0.8, 0.9]", "layers=[2, 4, 5]"], schema=Schema)
     assert recipe == Schema(target="tiny-random-llama", layers=[2, 4, 5], steps=5, optim=Optim(3e-4, (0.8, 0.9)))
     assert isinstance(recipe.optim.lr, float)
 
@@ -38,21 +38,21 @@ def test_nested_values_overrides_and_coercion(tmp_path):
 def test_unknown_key_lists_valid_keys_and_suggests(tmp_path):
     path = write(tmp_path, "target: t\nstpes: 3\n")
     with pytest.raises(RecipeError, match=r"unknown key 'stpes' \(did you mean 'steps'\?\); valid keys: layers, mode, optim, steps, target"):
-        load_recipe(path, schema=Schema)
+        load_dataclass(path, schema=Schema)
 
 
 def test_a_mistake_in_an_override_is_the_command_lines_not_the_files(tmp_path):
     path = write(tmp_path, "target: t\n")
     with pytest.raises(RecipeError, match=r"^override 'optim.rl=1' \(command line\): unknown key 'rl' \(did you mean "
                                           r"'lr'\?\); valid keys of optim: betas, lr$"):
-        load_recipe(path, ["optim.rl=1"], schema=Schema)
+        load_dataclass(path, ["optim.rl=1"], schema=Schema)
     with pytest.raises(RecipeError, match=r"^override 'stpes=3' \(command line\): unknown key 'stpes' \(did you mean "
                                           r"'steps'\?\)"):
-        load_recipe(path, ["stpes=3"], schema=Schema)
+        load_dataclass(path, ["stpes=3"], schema=Schema)
     with pytest.raises(RecipeError, match=r"^override 'steps=three' \(command line\): expected int, got 'three'"):
-        load_recipe(path, ["steps=three"], schema=Schema)
+        load_dataclass(path, ["steps=three"], schema=Schema)
     with pytest.raises(RecipeError, match=r"^override 'target.x=1' \(command line\): target is a value, not a section"):
-        load_recipe(path, ["target.x=1"], schema=Schema)
+        load_dataclass(path, ["target.x=1"], schema=Schema)
 
 
 @pytest.mark.parametrize(
@@ -70,22 +70,22 @@ def test_a_mistake_in_an_override_is_the_command_lines_not_the_files(tmp_path):
 )
 def test_bad_recipes_fail_with_the_key(tmp_path, text, overrides, message):
     with pytest.raises(RecipeError, match=message):
-        load_recipe(write(tmp_path, text), overrides, schema=Schema)
+        load_dataclass(write(tmp_path, text), overrides, schema=Schema)
 
 
 def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
     path = write(tmp_path, "target: t\nsteps: 3\noptim:\n  lr: 1e-3\nsteps: 5\n")
     with pytest.raises(RecipeError, match=r"r.yaml: key 'steps' is given twice, on line 2 and line 5; keep one"):
-        load_recipe(path, schema=Schema)
+        load_dataclass(path, schema=Schema)
     nested = write(tmp_path, "target: t\noptim:\n  lr: 1e-3\n  lr: 2e-3\n")
     with pytest.raises(RecipeError, match=r"key 'lr' is given twice, on line 3 and line 4"):
-        load_recipe(nested, schema=Schema)
-    assert load_recipe(write(tmp_path, "target: t\nsteps: 3\n"), ["steps=5"], schema=Schema).steps == 5
+        load_dataclass(nested, schema=Schema)
+    assert load_dataclass(write(tmp_path, "target: t\nsteps: 3\n"), ["steps=5"], schema=Schema).steps == 5
 
 
 def test_missing_file(tmp_path):
     with pytest.raises(RecipeError, match="not found"):
-        load_recipe(tmp_path / "nope.yaml", schema=Schema)
+        load_dataclass(tmp_path / "nope.yaml", schema=Schema)
 
 
 def test_ctrl_c_at_start_up_is_a_sentence_not_a_traceback(capsys):
@@ -154,11 +154,11 @@ def test_non_finite_numbers_are_refused_with_the_key(tmp_path, value):
     # optim.lr=.nan used to pass and end in a torch traceback (issue 38); 'nan' / 'inf' are YAML strings float() reads
     path = write(tmp_path, "target: t\n")
     with pytest.raises(RecipeError, match=r"override 'optim.lr=.*' \(command line\): -?(nan|inf) is not a finite"):
-        load_recipe(path, [f"optim.lr={value}"], schema=Schema)
+        load_dataclass(path, [f"optim.lr={value}"], schema=Schema)
 
 
 def test_every_float_field_of_every_training_schema_refuses_nan():
-    from drafters.training.families import TRAINING_FAMILIES, load_recipe as load_family_recipe
+    from drafters.training.families import TRAINING_FAMILIES, load_recipe
     from conftest import ROOT
 
     checked = 0
@@ -166,6 +166,6 @@ def test_every_float_field_of_every_training_schema_refuses_nan():
         recipe = ROOT / "recipes" / f"{name}_tiny.yaml"
         for key in float_fields(family.recipe):
             with pytest.raises(RecipeError, match="is not a finite number"):
-                load_family_recipe([str(recipe), f"{key}=.nan"])
+                load_recipe([str(recipe), f"{key}=.nan"])
             checked += 1
     assert checked > 20  # the walk found the schemas' float fields (lr, step_weight, dflash.gamma, ...)

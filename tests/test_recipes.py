@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from drafters.training.recipe import load_recipe
+from drafters.training.families import load_recipe
+from drafters.training.recipe import RecipeError, load_dataclass
 from conftest import load_script  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,10 +19,8 @@ TRAINERS = ("train/train.py", "train/eagle.py", "train/heads.py", "train/feature
 
 def load_with_script(path: Path, script: str):
     if script in TRAINERS:  # the recipe's `drafter` picks the schema
-        from drafters.training.families import load_recipe as load_family_recipe
-
-        return load_family_recipe([str(path)])
-    return load_recipe(path, schema=load_script(script).Recipe)
+        return load_recipe([str(path)])
+    return load_dataclass(path, schema=load_script(script).Recipe)
 
 
 def test_there_are_recipes():
@@ -65,15 +64,11 @@ SCRIPTS = [("train/eagle.py", "recipes/eagle3_tiny.yaml"), ("train/eagle.py", "r
     ("grad_accum=0", "grad_accum=0 must be >= 1"),
 ])
 def test_every_training_script_refuses_the_same_shared_fields(script, recipe, override, message):
-    from drafters.training.recipe import RecipeError
-
     with pytest.raises(RecipeError, match=re.escape(message)):
         load_script(script).main([recipe, override])
 
 
 def test_all_problems_are_named_at_once():
-    from drafters.training.recipe import RecipeError
-
     with pytest.raises(RecipeError) as err:
         load_script("train/heads.py").main(["recipes/medusa_tiny.yaml", "num_heads=0", "optim.lr=0", "threads=-1"])
     assert all(f in str(err.value) for f in ("num_heads=0", "optim.lr=0", "threads=-1")), err.value
@@ -90,40 +85,78 @@ def test_all_problems_are_named_at_once():
      "reverse_kl, jsd, lk, argmax"),
     ("recipes/eagle1_tiny.yaml", "eval_ttt_steps=3", "eval_ttt_steps=3 is read by drafter: eagle3 only, not eagle1"),
     ("recipes/medusa_tiny.yaml", "blockwise.loss=sample_one",
-     "blockwise={'loss': 'sample_one'} is read by drafter: blockwise only, not medusa"),
+     "blockwise.loss=sample_one is read by drafter: blockwise only, not medusa"),
+    ("recipes/dflash_tiny.yaml", "eagle3.tv_weight=1", "eagle3.tv_weight=1 is read by drafter: eagle3 only, not "
+     "dflash"),
     ("recipes/eagle3_tiny.yaml", "drafter=eagel3", "drafter='eagel3' is not a family this trainer trains; choose one "
      "of eagle3, dflash, dspark, peagle, eagle1, medusa, blockwise (did you mean 'eagle3'?)"),
 ])
 def test_another_familys_field_is_refused_where_it_would_be_ignored(recipe, override, message):
-    from drafters.training.recipe import RecipeError
-
     with pytest.raises(RecipeError, match=re.escape(message)):
         load_script("train/train.py").main([recipe, override])
 
 
 def test_another_familys_field_at_its_default_is_accepted():
-    # a DFlash recipe copied from an EAGLE-3 one keeps ttt_steps: 7 (EAGLE-3's default) and norm_before_fc: false:
-    # neither changes anything, so the recipe loads; ttt_steps: 3 would be training a setting DFlash never reads
-    from drafters.training.families import load_recipe as load_family_recipe
-    from drafters.training.recipe import RecipeError
-
-    recipe = load_family_recipe(["recipes/dflash_tiny.yaml", "ttt_steps=7", "norm_before_fc=false"])
-    assert recipe.drafter == "dflash" and not hasattr(recipe, "ttt_steps")
+    # a DFlash recipe copied from an EAGLE-3 one keeps eagle3: {ttt_steps: 7} (EAGLE-3's default) and norm_before_fc:
+    # false: neither changes anything, so the recipe loads; ttt_steps: 3 (here in the old top-level spelling) would be
+    # training a setting DFlash never reads
+    recipe = load_recipe(["recipes/dflash_tiny.yaml", "eagle3.ttt_steps=7", "norm_before_fc=false"])
+    assert recipe.drafter == "dflash" and not hasattr(recipe, "eagle3")
     with pytest.raises(RecipeError, match="ttt_steps=3 is read by drafter: eagle3 only, not dflash"):
-        load_family_recipe(["recipes/dflash_tiny.yaml", "ttt_steps=3"])
+        load_recipe(["recipes/dflash_tiny.yaml", "ttt_steps=3"])
 
 
 @pytest.mark.parametrize("script", ["train/eagle.py", "train/heads.py"])
 def test_the_aliases_train_any_family_the_recipe_names(script, tmp_path):
     # train/heads.py given an EAGLE-3 recipe trains EAGLE-3 (the scripts once refused each other's families)
-    from drafters.training.families import load_recipe as load_family_recipe
-
-    assert load_family_recipe(["recipes/eagle3_tiny.yaml"], default="medusa").drafter == "eagle3"
-    assert load_family_recipe(["recipes/medusa_tiny.yaml"]).drafter == "medusa"
+    assert load_recipe(["recipes/eagle3_tiny.yaml"], default="medusa").drafter == "eagle3"
+    assert load_recipe(["recipes/medusa_tiny.yaml"]).drafter == "medusa"
     summary = load_script(script).main(["recipes/blockwise_tiny.yaml" if script.endswith("eagle.py") else
                                         "recipes/eagle3_tiny.yaml", "max_steps=1", "eval_every=0",
                                         f"output_dir={tmp_path}", "data.eval_rows=0"])
     assert summary.checkpoint.is_dir()
+
+
+# EAGLE-3's options sit under `eagle3:`, as every family's under its own section. An earlier release read them at the
+# top level: this one still does (moving them there, with one deprecation line), the next will refuse them.
+def old_shape(path: Path, tmp_path: Path) -> Path:
+    """The recipe as an earlier release wrote it: its eagle3: section's keys at the top level."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    old = tmp_path / f"old_{path.name}"
+    old.write_text(yaml.safe_dump({**{k: v for k, v in raw.items() if k != "eagle3"}, **raw["eagle3"]},
+                                  sort_keys=False))
+    return old
+
+
+@pytest.mark.parametrize("name", ["eagle3_smollm2.yaml", "eagle3_tiny.yaml"])
+def test_the_old_top_level_eagle3_keys_load_to_the_same_recipe_and_say_so_in_one_line(name, tmp_path, capsys):
+    import yaml
+
+    new = ROOT / "recipes" / name
+    old = old_shape(new, tmp_path)
+    assert load_recipe([str(new)]) == load_recipe([str(old)])
+    moved = list(yaml.safe_load(new.read_text())["eagle3"])  # in the order the old file holds them
+    assert capsys.readouterr().err.splitlines() == [  # the old file's line; the new shape says nothing
+        f"warning: {old}: {', '.join(moved)} at the top level are deprecated: move them under `eagle3:` (on the "
+        "command line: eagle3.ttt_steps=...); this release still reads the top level, the next will refuse it"]
+    # an old key=value on the command line says its line and lands where its new spelling does
+    assert load_recipe([str(new), "eagle3.divergence=lk"]) == load_recipe([str(new), "divergence=lk"])
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {new}: divergence at the top level is deprecated: move it under `eagle3:` (on the command line: "
+        "eagle3.divergence=...); this release still reads the top level, the next will refuse it"]
+    # the command line still wins over the file, whichever spelling each uses
+    assert load_recipe([str(old), "eagle3.ttt_steps=5"]).eagle3.ttt_steps == 5
+
+
+def test_an_eagle3_key_at_the_top_level_and_under_eagle3_is_refused_in_one_sentence(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text((ROOT / "recipes" / "eagle3_tiny.yaml").read_text() + "ttt_steps: 4\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe([str(both)])
+    assert str(err.value) == (f"{both}: ttt_steps is given both at the top level and under eagle3:, keep the one under "
+                              "eagle3: (the top level is where an earlier release read it)")
 
 
 # What a recipe reads must be in a fresh clone, or be written by a command the repository names: another recipe's

@@ -120,6 +120,21 @@ def test_changed_recipe_is_refused_with_a_diff_unless_allowed(uninterrupted, tmp
     assert summary.steps == 6  # max_steps may change freely
 
 
+def test_a_checkpoint_that_saved_eagle3s_options_at_the_top_level_resumes(tmp_path):
+    # an earlier release saved EAGLE-3's options at the recipe's top level; resume_from compares them where they sit
+    # now (under eagle3:), so the same recipe resumes and a changed option is named once
+    out = tmp_path / "old"
+    train(out, "max_steps=4")
+    for checkpoint in out.glob("checkpoint-*"):
+        meta = json.loads((checkpoint / "drafter.json").read_text())
+        recipe = meta["extra"]["recipe"]
+        meta["extra"]["recipe"] = {**{k: v for k, v in recipe.items() if k != "eagle3"}, **recipe["eagle3"]}
+        (checkpoint / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(RecipeError, match=r"recipe changed since that checkpoint:\n  eagle3.step_weight: 0.8 -> 0.5\n"):
+        train(out, "resume_from=latest", "eagle3.step_weight=0.5")
+    assert train(out, "resume_from=latest").steps == 6
+
+
 def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run_does_not_read():
     # a checkpoint written before tv_weight and features.dir existed resumes under the newer code as long as they
     # keep the defaults (which reproduce the old behaviour); fields the run's schema lacks (an older version's one
@@ -131,13 +146,14 @@ def test_resume_ignores_fields_added_since_at_their_default_and_sections_the_run
 
     current = to_dict(Eagle3Recipe(target="tiny-random-llama", data={"path": "d.jsonl"}))
     old = json.loads(json.dumps(current))
-    del old["tv_weight"]
+    del old["eagle3"]["tv_weight"]
     old["eagle1"] = {"feature": "pre_norm"}  # another family's section, as an older version saved it
     assert recipe_diff(old, current, schema=Eagle3Recipe) == []
     # without the schema, both differences are reported
     assert len(recipe_diff(old, current)) == 2
     # an added field away from its default changes what is trained: reported, here and nested
-    assert recipe_diff(old, {**current, "tv_weight": 1.0}, schema=Eagle3Recipe) == ["tv_weight: '<absent>' -> 1.0"]
+    assert recipe_diff(old, {**current, "eagle3": {**current["eagle3"], "tv_weight": 1.0}}, schema=Eagle3Recipe) == [
+        "eagle3.tv_weight: '<absent>' -> 1.0"]
     del old["features"]["dir"]
     assert recipe_diff(old, {**current, "features": {**current["features"], "dir": "f"}}, schema=Eagle3Recipe) == [
         "features.dir: '<absent>' -> 'f'"]
@@ -297,8 +313,8 @@ def test_grow_layers_stacks_identity_layers_on_a_checkpoint(uninterrupted, tmp_p
     meta = json.loads((start / "drafter.json").read_text())
     del meta["config"]["num_hidden_layers"]
     (start / "drafter.json").write_text(json.dumps(meta))
-    summary = train(tmp_path / "deep", f"init_from={start}", "grow_layers=true", "num_layers=3", "optim.lr=1e-30",
-                    "max_steps=2")
+    summary = train(tmp_path / "deep", f"init_from={start}", "eagle3.grow_layers=true", "eagle3.num_layers=3",
+                    "optim.lr=1e-30", "max_steps=2")
     assert summary.steps == 2
     old, deep = load_checkpoint(start).state_dict, weights(tmp_path / "deep")
     assert all(torch.equal(deep[k], old[k]) for k in old)
@@ -313,15 +329,15 @@ def test_grow_layers_stacks_identity_layers_on_a_checkpoint(uninterrupted, tmp_p
 
 def test_grow_layers_refuses_what_cannot_grow(uninterrupted, tmp_path):
     start = uninterrupted / "checkpoint-final"
-    with pytest.raises(RecipeError, match="grow_layers=true stacks layers on init_from's checkpoint: set init_from"):
-        train(tmp_path / "a", "grow_layers=true", "num_layers=2")
-    with pytest.raises(RecipeError, match=r"grow_layers: the checkpoint already has 1 decoder layer\(s\) and "
-                                          "num_layers=1; set num_layers above 1"):
-        train(tmp_path / "b", f"init_from={start}", "grow_layers=true")
+    with pytest.raises(RecipeError, match="eagle3.grow_layers=true stacks layers on init_from's checkpoint: set init_"):
+        train(tmp_path / "a", "eagle3.grow_layers=true", "eagle3.num_layers=2")
+    with pytest.raises(RecipeError, match=r"eagle3.grow_layers: the checkpoint already has 1 decoder layer\(s\) and "
+                                          "eagle3.num_layers=1; set eagle3.num_layers above 1"):
+        train(tmp_path / "b", f"init_from={start}", "eagle3.grow_layers=true")
     with pytest.raises(RecipeError, match="num_hidden_layers: recipe builds 2, checkpoint has 1"):
-        train(tmp_path / "c", f"init_from={start}", "num_layers=2")
-    with pytest.raises(RecipeError, match="num_layers=0 must be >= 1"):
-        train(tmp_path / "d", "num_layers=0")
+        train(tmp_path / "c", f"init_from={start}", "eagle3.num_layers=2")
+    with pytest.raises(RecipeError, match="eagle3.num_layers=0 must be >= 1"):
+        train(tmp_path / "d", "eagle3.num_layers=0")
     assert not any(earlier_run_files(tmp_path / name) for name in "abcd")
 
 

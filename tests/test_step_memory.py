@@ -20,7 +20,7 @@ def recipe(family, tmp_path, *overrides):
                         "data.eval_rows=2", f"output_dir={tmp_path / family}", "threads=1", *overrides])
 
 
-@pytest.mark.parametrize("family, knob", [("eagle3", "ttt_steps ("), ("dflash", "dflash.anchors (")])
+@pytest.mark.parametrize("family, knob", [("eagle3", "eagle3.ttt_steps ("), ("dflash", "dflash.anchors (")])
 def test_a_step_that_cannot_fit_is_refused_before_it_runs(family, knob, tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2**20)  # 1 MB free
     with pytest.raises(RecipeError) as refused:
@@ -28,7 +28,7 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(family, knob, tmp_path
     said = str(refused.value)
     assert said.startswith("recipe: one training step needs about ") and "more than the 1 MB free on cpu" in said
     assert "data.max_length" in said and "batch_size" in said and knob in said and "check_memory=false" in said
-    assert ("set vocab_memory=recompute" in said) == (family == "eagle3")  # EAGLE-3's switch, flat in the vocabulary
+    assert ("set eagle3.vocab_memory=recompute" in said) == (family == "eagle3")  # flat in the vocabulary
     assert not list((tmp_path / family).glob("checkpoint-*"))  # nothing trained, nothing saved
 
 
@@ -43,8 +43,8 @@ def test_the_estimate_grows_as_its_terms_say():
     import torch
 
     def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False, vocab_memory="table", layers=1):
-        recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq), ttt_steps=steps,
-                                 vocab_memory=vocab_memory)
+        recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq),
+                                 eagle3=SimpleNamespace(ttt_steps=steps, vocab_memory=vocab_memory))
         drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64,
                                                          num_hidden_layers=layers),
                                   parameters=lambda: [torch.zeros(100, requires_grad=True)])
@@ -72,8 +72,8 @@ def test_recomputed_labels_take_the_vocabulary_out_of_the_estimate():
     import torch
 
     def parts(vocab, seq=512, vocab_memory="recompute"):
-        recipe = SimpleNamespace(batch_size=2, data=SimpleNamespace(max_length=seq), ttt_steps=7,
-                                 vocab_memory=vocab_memory)
+        recipe = SimpleNamespace(batch_size=2, data=SimpleNamespace(max_length=seq),
+                                 eagle3=SimpleNamespace(ttt_steps=7, vocab_memory=vocab_memory))
         drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64, num_hidden_layers=1),
                                   parameters=lambda: [])
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
@@ -97,7 +97,7 @@ def test_a_run_with_recomputed_labels_trains_as_the_table_run(tmp_path):
     # recipe give the same weights (the label head's matmul over other rows: float32 tolerance)
     from safetensors.torch import load_file
 
-    runs = [train(recipe("eagle3", tmp_path / mode, f"vocab_memory={mode}")) for mode in ("table", "recompute")]
+    runs = [train(recipe("eagle3", tmp_path / mode, f"eagle3.vocab_memory={mode}")) for mode in ("table", "recompute")]
     assert runs[0].steps == runs[1].steps == 2
     weights = [load_file(next((tmp_path / mode / "eagle3").glob("checkpoint-final/*.safetensors")))
                for mode in ("table", "recompute")]
@@ -108,7 +108,7 @@ def test_a_run_with_recomputed_labels_trains_as_the_table_run(tmp_path):
 
 def test_an_unknown_vocab_memory_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(RecipeError, match="vocab_memory"):
-        load_recipe([str(ROOT / "recipes" / "eagle3_tiny.yaml"), "vocab_memory=lazy", f"output_dir={tmp_path}"])
+        load_recipe([str(ROOT / "recipes" / "eagle3_tiny.yaml"), "eagle3.vocab_memory=lazy", f"output_dir={tmp_path}"])
 
 
 def test_dpace_weighting_counts_the_block_logits_it_keeps():

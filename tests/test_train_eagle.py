@@ -62,7 +62,7 @@ def test_checkpoint_rebuilds_the_trained_drafter(run):
     assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 64
     assert checkpoint.config["aux_layers"] == [2, 4, 5]
     assert checkpoint.extra["step"] == STEPS and checkpoint.extra["tokens"] == summary.tokens > 0
-    assert checkpoint.extra["recipe"]["ttt_steps"] == TTT_STEPS
+    assert checkpoint.extra["recipe"]["eagle3"]["ttt_steps"] == TTT_STEPS
     assert checkpoint.target["name"] == "tiny-random-llama"
     assert load_checkpoint(output_dir / "checkpoint-4").extra["step"] == 4  # save_every: 4
 
@@ -108,10 +108,10 @@ def test_held_out_evaluation(run):
 
 
 def test_held_out_depth_is_set_apart_from_the_training_depth(trainer, run, tmp_path):
-    """eval_ttt_steps=5 scores a drafter trained at ttt_steps=2 on 5 chain steps; training does not read it,
-    so its first 2 steps' accuracies equal the default (2-step) evaluation's of the same run."""
-    common = [RECIPE, f"data.path={DATA}", "max_steps=2", "ttt_steps=2"]
-    deep = trainer.main([*common, "eval_ttt_steps=5", f"output_dir={tmp_path / 'deep'}"]).eval
+    """eagle3.eval_ttt_steps=5 scores a drafter trained at eagle3.ttt_steps=2 on 5 chain steps; training does not read
+    it, so its first 2 steps' accuracies equal the default (2-step) evaluation's of the same run."""
+    common = [RECIPE, f"data.path={DATA}", "max_steps=2", "eagle3.ttt_steps=2"]
+    deep = trainer.main([*common, "eagle3.eval_ttt_steps=5", f"output_dir={tmp_path / 'deep'}"]).eval
     shallow = trainer.main([*common, f"output_dir={tmp_path / 'shallow'}"]).eval
     assert len(deep["step_acc"]) == 5 and len(shallow["step_acc"]) == 2
     assert deep["step_acc"][:2] == shallow["step_acc"]
@@ -122,12 +122,12 @@ def test_held_out_depth_is_set_apart_from_the_training_depth(trainer, run, tmp_p
     ("unknown_key=1", RecipeError, "unknown key 'unknown_key'"),
     ("optim.lrr=0.1", RecipeError, "did you mean 'lr'"),
     ("features.dir=somewhere", RecipeError, "features.dir=somewhere: no index.json; write the features first"),
-    ("ttt_steps=0", RecipeError, "ttt_steps=0 must be >= 1"),
+    ("eagle3.ttt_steps=0", RecipeError, "eagle3.ttt_steps=0 must be >= 1"),
     ("draft_vocab_size=0", RecipeError, "draft_vocab_size=0 must be >= 1"),
     ("draft_vocab_size=-5", RecipeError, "draft_vocab_size=-5 must be >= 1"),
     ("epochs=null", RecipeError, "set epochs or max_steps"),
-    ("eval_ttt_steps=0", RecipeError, "eval_ttt_steps=0 must be >= 1 or null"),
-    ("init_layer=8", RecipeError, r"init_layer=8 is not a decoder layer of .* \(8 layers: 0 \.\. 7, or -1"),
+    ("eagle3.eval_ttt_steps=0", RecipeError, "eagle3.eval_ttt_steps=0 must be >= 1 or null"),
+    ("eagle3.init_layer=8", RecipeError, r"init_layer=8 is not a decoder layer of .* \(8 layers: 0 \.\. 7, or -1"),
 ])
 def test_bad_recipe_values_fail_clearly(trainer, tmp_path, override, error, message):
     overrides = [f"output_dir={tmp_path}", override]
@@ -169,7 +169,7 @@ def test_train_rows_keeps_a_subset_of_the_split_and_the_same_held_out_rows(train
     from drafters.training.batches import load_examples
     from drafters.training.families import load_recipe
 
-    recipe = load_recipe([RECIPE, f"data.path={DATA}"], "train/eagle.py")
+    recipe = load_recipe([RECIPE, f"data.path={DATA}"])
     target = load_target(recipe.target)
     train, held_out = load_examples(recipe, target, say=lambda line: None)
     part_train, part_held_out = load_examples(replace(recipe, data=replace(recipe.data, train_rows=5)), target,
@@ -186,7 +186,7 @@ def test_max_length_above_the_targets_context_is_cut_to_it_and_said(trainer):
     from drafters.training.batches import load_examples
     from drafters.training.families import load_recipe
 
-    recipe = load_recipe([RECIPE, f"data.path={DATA}", "data.max_length=3000"], "train/eagle.py")
+    recipe = load_recipe([RECIPE, f"data.path={DATA}", "data.max_length=3000"])
     target = load_target(recipe.target)
     target.model.config.max_position_embeddings = 48  # shorter than most rows
     said = []

@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy_reference, load_script, untied_llama  # tests/ is on sys.path under pytest
+from conftest import (continuations, fit_drafter, greedy_reference, load_script, save_drafter,  # tests/ on sys.path
+                      untied_llama)
 
 from drafters.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from drafters.decode.decoder import speculative_generate
 from drafters.heads import heads_loss
 from drafters.training.heads_tree import expected_tau
 from drafters.medusa import MedusaConfig, MedusaHeads
-from drafters.decode.proposers.heads import HeadsProposer, load_heads_proposer
+from drafters.decode.proposers.heads import HeadsProposer
 from drafters.registry import load_drafter
-from drafters.decode.proposers.loading import load_proposer
+from drafters.decode.proposers.loading import load_drafter_proposer, load_proposer
 from drafters.training.recipe import RecipeError
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.targets import TargetFeatures, load_target
@@ -146,7 +147,7 @@ def test_trained_checkpoint_decodes_losslessly(run, tree):
     prompts = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     references = greedy_reference(target.model, prompts, 20)
     path = output_dir / "checkpoint-final"
-    proposer = (load_heads_proposer(path, target) if tree is None
+    proposer = (load_drafter_proposer(path, target) if tree is None
                 else load_proposer(str(path), target, parse_tree_spec(tree)))
     for prompt, reference in zip(prompts, references):
         out, stats = speculative_generate(target, proposer, prompt, max_new_tokens=20)
@@ -158,36 +159,25 @@ def test_trained_checkpoint_decodes_losslessly(run, tree):
 def fitted(tmp_path_factory):
     # Medusa heads fitted for a few seconds to the untied target's own greedy continuations, so
     # drafts are often accepted and multi-token paths are exercised; saved as a checkpoint.
-    from drafters.checkpoint import target_info
-
     target = untied_llama()
-    prompts = torch.randint(3, VOCAB, (6, 10), generator=torch.Generator().manual_seed(1))
-    references = greedy_reference(target.model, prompts, 40)  # (6, 50)
-    loss_mask = torch.ones_like(references)
-    loss_mask[:, :10] = 0
+    references, loss_mask = continuations(target, 10, seed=1)  # (6, 50)
     hidden = target.features(references, logits=False).last_hidden
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=K))
     heads.init_from_target(target.lm_head.weight)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=3e-3)
-    for _ in range(60):
-        loss = heads_loss(heads, hidden, references, loss_mask, target.lm_head.weight,
-                          weights={k: 0.8 ** k for k in range(K)}).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    path = tmp_path_factory.mktemp("fitted") / "medusa"
+    weights = {k: 0.8 ** k for k in range(K)}
+    fit_drafter(heads, lambda _: heads_loss(heads, hidden, references, loss_mask, target.lm_head.weight,
+                                            weights=weights).loss, 60)
     tree = {"kind": "greedy", "paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]], "expected_tau": 0, "draft_nodes": 5}
-    save_checkpoint(path, family="medusa", config=asdict(heads.config), target=target_info(target),
-                    state_dict=heads.state_dict(), extra={"tree": tree})
-    return target, references, path
+    return target, references, save_drafter(tmp_path_factory.mktemp("fitted") / "medusa", "medusa", heads, target,
+                                            tree=tree)
 
 
 @pytest.mark.parametrize("tree", [None, "chain:3", "static:[[0],[1],[2],[0,0],[1,0],[0,0,0]]",
                                   "dynamic:total=10,depth=3,topk=3"])
 def test_fitted_heads_are_accepted_and_lossless(fitted, tree):
     target, references, path = fitted
-    proposer = load_heads_proposer(path, target, tree)
+    proposer = load_drafter_proposer(path, target, tree)
     taus = []
     for row in range(2):
         out, stats = speculative_generate(target, proposer, references[row, :10], max_new_tokens=30)
@@ -200,7 +190,7 @@ def test_fitted_heads_are_accepted_and_lossless(fitted, tree):
 def test_sampled_trees_say_what_they_were_drawn_from(fitted):
     # every draft at depth d was drawn from q = warp(head d-1's logits at x_t); draft_probs holds q
     target, references, path = fitted
-    proposer = load_heads_proposer(path, target, "static:[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]")
+    proposer = load_drafter_proposer(path, target, "static:[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]")
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     prompt = references[0, :10]
     out = target.model(prompt[None], output_hidden_states=True)
@@ -225,7 +215,7 @@ def test_sampled_trees_say_what_they_were_drawn_from(fitted):
 @pytest.mark.parametrize("overrides, message", [
     (["num_heads=127"], "num_heads=127 needs data.max_length >= num_heads \\+ 2 = 129"),
     (["data.limit=4", "data.eval_rows=1", "num_heads=90"], "no training example has a target token at position >= 91"),
-    (["blockwise.loss=sample_one"], "blockwise={'loss': 'sample_one'} is read by drafter: blockwise only, not medusa"),
+    (["blockwise.loss=sample_one"], "blockwise.loss=sample_one is read by drafter: blockwise only, not medusa"),
     (["tree.kind=cartesian", "tree.cartesian=[2, 2, 2, 2]"], "tree.cartesian=\\[2, 2, 2, 2\\] must list 1..num_heads=3"),
     (["drafter=eagle"], "drafter='eagle' is not a family this trainer trains; choose one of eagle3"),
     (["medusa.num_heads=3"], "unknown key 'num_heads'"),
@@ -245,18 +235,18 @@ def test_checkpoint_target_mismatch_and_bad_trees_fail_clearly(fitted, tmp_path)
     save_checkpoint(tmp_path / "wide", family="medusa", config={**ckpt.config, "hidden_size": 32},
                     target=ckpt.target, state_dict=ckpt.state_dict)
     with pytest.raises(CheckpointError, match="weights do not match the drafter config"):
-        load_heads_proposer(tmp_path / "wide", target, "chain:2")
+        load_drafter_proposer(tmp_path / "wide", target, "chain:2")
     narrow = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=VOCAB, num_heads=K))  # fits its config, not the target
     save_checkpoint(tmp_path / "narrow", family="medusa", config=asdict(narrow.config), target=ckpt.target,
                     state_dict=narrow.state_dict())
     with pytest.raises(CheckpointError, match="hidden_size: drafter 32 vs target 64"):
-        load_heads_proposer(tmp_path / "narrow", target, "chain:2")
+        load_drafter_proposer(tmp_path / "narrow", target, "chain:2")
     with pytest.raises(ValueError, match="tree of depth 4 for a drafter with 3 heads"):
-        load_heads_proposer(path, target, "chain:4")
+        load_drafter_proposer(path, target, "chain:4")
     save_checkpoint(tmp_path / "untreed", family="medusa", config=ckpt.config, target=ckpt.target,
                     state_dict=ckpt.state_dict)
     with pytest.raises(CheckpointError, match="no calibrated tree in the checkpoint"):
-        load_heads_proposer(tmp_path / "untreed", target)
+        load_drafter_proposer(tmp_path / "untreed", target)
     with pytest.raises(RuntimeError, match="call reset"):
         HeadsProposer(load_drafter(ckpt), target.lm_head.weight, parse_tree_spec("chain:2")).propose(
             torch.tensor([1, 2]), 3, SamplingConfig())

@@ -33,12 +33,12 @@ from drafters.training.launch import SHIPPED, on_cpus
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/eagle3_smollm2.yaml"
 # bf16 as the reference trainers ran it where bf16 is native; float32 on a CPU that emulates it (~50x slower)
-REFERENCE = ["ttt_steps=7", "draft_vocab_size=32000", "draft_vocab_coverage=null", "norm_before_fc=false",
+REFERENCE = ["eagle3.ttt_steps=7", "draft_vocab_size=32000", "draft_vocab_coverage=null", "norm_before_fc=false",
              "data.max_length=512", "dtype=auto", "mixed_precision=auto", "batch_size=4", "grad_accum=2",
              "optim.name=adamw"]
 LIMIT = 240  # conversations read: enough for 2 x 6 steps of 8, and offline features write in a few minutes
 # the recipe's settings when the README's figures were measured (its defaults are now eval/ablate.py's winners)
-PRE_ABLATION = ["ttt_steps=7", "draft_vocab_size=16000", "draft_vocab_coverage=null", "norm_before_fc=false",
+PRE_ABLATION = ["eagle3.ttt_steps=7", "draft_vocab_size=16000", "draft_vocab_coverage=null", "norm_before_fc=false",
                 "batch_size=4", "grad_accum=2", "optim.name=adamw"]
 # the distributed engines: the recipe from the offline store, 4 x 1 per process, on 2 CPU processes, fp32 drafter
 # (as on_cpus swaps), with SpecForge's 32,000-id draft vocabulary: a 22M-parameter drafter whose weights,

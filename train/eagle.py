@@ -1,5 +1,5 @@
-"""train/train.py under the name the documentation uses: `accelerate launch train/eagle.py RECIPE.yaml` trains the
-recipe's `drafter`, whatever its family (eagle3 when it names none). See train/train.py.
+"""The documented alias of train/train.py, the same script: `accelerate launch train/eagle.py RECIPE.yaml` trains the
+recipe's `drafter`, whatever its family (eagle3 when it names none). Recipes name train/train.py; see its docstring.
 """
 
 from drafters.training.families import train_main

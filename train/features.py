@@ -1,7 +1,7 @@
 """Precompute a drafter family's target features once, to disk, for offline training (drafters.training.features).
 
     python train/features.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2 [key=value ...]
-    python train/eagle.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2
+    python train/train.py recipes/eagle3_smollm2.yaml features.dir=outputs/features/smollm2
 
 Reads the same recipe (and overrides) as train/train.py: target, dtype, data, drafter, layers (EAGLE-3) or
 eagle1.feature (EAGLE-1) and
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> dict:
                           "there are no features to store for it")
     if not recipe.features.dir:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
-                          "train/eagle.py streams from it when the recipe sets it)")
+                          "train/train.py streams from it when the recipe sets it)")
     if recipe.split_target:
         raise RecipeError("split_target=true is for training: train/features.py gives each process its own shards "
                           "and the whole target; set split_target=false here (the store then trains a run that "

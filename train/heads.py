@@ -1,5 +1,5 @@
-"""train/train.py under the name the Medusa / Blockwise documentation uses: trains the recipe's `drafter`, whatever
-its family (medusa when it names none). See train/train.py.
+"""An alias of train/train.py, the same script under the name the Medusa / Blockwise documentation once used: trains
+the recipe's `drafter`, whatever its family (medusa when it names none). Recipes name train/train.py; see its docstring.
 """
 
 from drafters.training.families import train_main

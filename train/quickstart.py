@@ -64,7 +64,7 @@ def main(argv=None) -> None:
          ["train/regenerate.py", "recipes/regenerate_quickstart.yaml", f"output={regenerated}"])
     if not (ROOT / checkpoint).is_dir():
         step("2/5 train the EAGLE-3 drafter",
-             ["train/eagle.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}",
+             ["train/train.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}",
               "resume_from=latest"])  # an interrupted run continues from the checkpoint its Ctrl-C saved
     for fmt in ("sglang", "vllm"):
         step(f"3/5 export ({fmt}) and validate",

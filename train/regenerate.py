@@ -16,14 +16,14 @@ import threading
 from pathlib import Path
 
 from drafters.files import write_text_atomic
-from drafters.training.recipe import load_recipe, run_main
+from drafters.training.recipe import load_dataclass, run_main
 from drafters.training.regenerate import Incomplete, Recipe, Stats, regenerate
 
 
 def main(argv: list[str]) -> Stats:
     if not argv:
         raise SystemExit("usage: python train/regenerate.py RECIPE.yaml [key=value ...]")
-    recipe = load_recipe(argv[0], argv[1:], schema=Recipe)
+    recipe = load_dataclass(argv[0], argv[1:], schema=Recipe)
     stats = Stats()
 
     def terminate(signum, frame):  # a scheduler's SIGTERM stops like Ctrl-C: whole rows, the server stopped

@@ -5,8 +5,10 @@
 
 Families (drafters.training.families.TRAINING_FAMILIES; each one's recipe fields and checks are its schema in its
 own training module): eagle3 (drafters.training.eagle3), eagle1, dflash, dspark, peagle, medusa and blockwise
-(drafters.training.heads). A recipe that names no `drafter` trains eagle3. train/eagle.py and train/heads.py are
-this script under the names the documentation has always used (heads.py's default family is medusa).
+(drafters.training.heads). What every family shares (target, data, optim, batches, steps, checkpoints) sits at the
+recipe's top level, each family's own options in its section (eagle3:, dflash:, medusa:, ...). A recipe that names
+no `drafter` trains eagle3. Every recipe's first line names this script; train/eagle.py is its documented alias and
+train/heads.py another (whose default family is medusa).
 
 Flow: recipe -> frozen target -> examples (chat template + assistant loss mask) -> deterministic train / held-out
 split -> the family's drafter (draft vocabulary counted on the TRAIN examples under the loss mask, where the family

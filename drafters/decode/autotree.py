@@ -45,7 +45,6 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -54,8 +53,9 @@ from drafters.acceptance import depth_acceptance, tree_tau
 from drafters.checkpoint import CONFIG_FILE
 from drafters.decode.benches import render_prompt
 from drafters.decode.decoder import speculative_generate, tree_forward
+from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.sampling import SamplingConfig
-from drafters.decode.tree import Tree, parse_tree_spec
+from drafters.decode.tree import Tree, TreeSpec, parse_tree_spec
 from drafters.targets import with_cache
 from drafters.timing import synced_clock
 
@@ -275,23 +275,40 @@ class AutoResult:
                                for r in self.rows]}
 
 
-def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, sampling: SamplingConfig,
-                max_new_tokens: int, *, prompts: int = 2, acceptance: str = "calibration",
-                probe_tokens: int = 32, candidates=CANDIDATES, calibration_tree: str = CALIBRATION_TREE,
-                warmup: int = 2, repeats: int = 5, log=print) -> AutoResult:
-    """make_proposer(TreeSpec) -> a fresh proposer for that tree; items: bench items (turn 1 is used)."""
-    if prompts < 1 or probe_tokens < 1:
-        raise ValueError(f"--tree auto: --auto-prompts ({prompts}) and --auto-probe-tokens ({probe_tokens}) must be >= 1")
-    rates = checkpoint_rates(proposer_spec) if acceptance == "checkpoint" else None
-    if acceptance == "checkpoint" and rates is None:
+@dataclass(frozen=True)
+class AutoTreeOptions:
+    """How --tree auto measures (the module docstring's steps; eval/tau.py's --auto-* options)."""
+
+    prompts: int = 2  # bench prompts (turn 1) decoded to calibrate acceptance
+    acceptance: str = "calibration"  # or "checkpoint": the drafter's held-out per-step accuracy
+    probe_tokens: int = 32  # new tokens decoded with each candidate to time its draft
+    candidates: tuple[str, ...] = CANDIDATES
+    calibration_tree: str = CALIBRATION_TREE
+    warmup: int = 2  # untimed runs (and probe rounds) before the timed ones
+    repeats: int = 5  # timed runs of each verification size, their median taken
+
+
+def choose_tree(target, proposer_spec: str, items, sampling: SamplingConfig, max_new_tokens: int,
+                options: AutoTreeOptions = AutoTreeOptions(), log=print) -> AutoResult:
+    """The candidate with the most predicted tokens/s for `proposer_spec` (drafters.decode.proposers.loading
+    loads a fresh proposer for each tree) decoding up to max_new_tokens; items: bench items (turn 1 is used)."""
+    o = options
+    if o.prompts < 1 or o.probe_tokens < 1:
+        raise ValueError(f"--tree auto: --auto-prompts ({o.prompts}) and --auto-probe-tokens ({o.probe_tokens}) must "
+                         "be >= 1")
+    rates = checkpoint_rates(proposer_spec) if o.acceptance == "checkpoint" else None
+    if o.acceptance == "checkpoint" and rates is None:
         raise ValueError(f"--auto-acceptance checkpoint: {proposer_spec} records no held-out per-step accuracy "
                          "(drafter.json extra.eval.step_acc); use --auto-acceptance calibration")
-    calibration = _prompts(target, items, prompts, max_new_tokens)
+    calibration = _prompts(target, items, o.prompts, max_new_tokens)
     if not calibration:
         raise ValueError("--tree auto: no bench prompt fits the target's context for calibration")
     counts, eos = RankCounts(), target.eos_token_ids
-    for spec in candidates:
+    for spec in o.candidates:
         parse_tree_spec(spec)  # a bad candidate fails before anything is decoded
+
+    def make_proposer(tree: TreeSpec):
+        return load_proposer(proposer_spec, target, tree)
 
     needs = []
 
@@ -306,7 +323,7 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
         return recorder, out, stats
 
     decode("chain:1", calibration[0], 4)  # warm-up: first calls pay for allocation
-    calibration_tree = _loadable(calibration_tree, make_proposer)
+    calibration_tree = _loadable(o.calibration_tree, make_proposer)
     log(f"tree auto: calibrating on {len(calibration)} prompt(s) with {calibration_tree}")
     answers, cal_rounds, cal_accepted, cal_depths = [], 0, [], []
     for prompt in calibration:
@@ -317,13 +334,13 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
         cal_depths += stats.tree_depths
 
     probes, skipped = [], {}
-    for spec in candidates:
+    for spec in o.candidates:
         try:
-            recorder, _, stats = decode(spec, calibration[0], probe_tokens)
+            recorder, _, stats = decode(spec, calibration[0], o.probe_tokens)
         except ValueError as error:  # e.g. a tree deeper than a Medusa drafter's heads
             skipped[spec] = str(error)
             continue
-        timed = slice(warmup, None) if len(recorder.propose_s) > warmup + 2 else slice(None)
+        timed = slice(o.warmup, None) if len(recorder.propose_s) > o.warmup + 2 else slice(None)
         draft_s = statistics.median(recorder.propose_s[timed]) + (
             statistics.median(recorder.update_s[timed] or recorder.update_s) if recorder.update_s else 0.0)
         probes.append(Probe(spec, 1e3 * draft_s, 1e3 * stats.other_s / max(stats.num_rounds, 1),
@@ -340,10 +357,10 @@ def choose_tree(target, proposer_spec: str, make_proposer: Callable, items, samp
     largest = max([max(len(s) for s in p.shapes) for p in probes] + [VERIFY_GRID[-1]])
     grid = [n for n in VERIFY_GRID if n < largest] + [largest]
     grid = [n for n in grid if context.numel() + n <= target.max_position_embeddings] or [1]
-    verify_ms = time_verify(target.model, context, grid, needs_hidden, warmup, repeats)
-    generate_ms = time_generate(target, calibration[0], warmup, max(repeats // 2, 2))
+    verify_ms = time_verify(target.model, context, grid, needs_hidden, o.warmup, o.repeats)
+    generate_ms = time_generate(target, calibration[0], o.warmup, max(o.repeats // 2, 2))
 
-    if acceptance == "checkpoint":
+    if o.acceptance == "checkpoint":
         source = f"checkpoint {proposer_spec}: held-out per-step top-1 accuracy (top-1 chains only)"
     else:
         rates = counts.rates()

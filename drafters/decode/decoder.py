@@ -206,15 +206,38 @@ def speculative_generate(model, proposer: Proposer, prompt_ids: Tensor, *, max_n
         generated = [_pick(out.logits[0, -1], sampling, generator)]
         proposer.reset(prompt, _features(out, pre_norm, needs, slice(None)))
         stats.prefill_s = perf_counter() - start
-        while not _finished(generated, eos, max_new_tokens):
-            _round(model, proposer, cache, prompt, generated, sampling, generator, eos, max_new_tokens, stats, pre_norm)
+        call = Generation(model, proposer, cache, prompt, sampling, generator, eos, max_new_tokens, pre_norm)
+        while not call.finished(generated):
+            _round(call, generated, stats)
     return torch.cat([prompt, torch.tensor(generated, device=device)]), stats
 
 
-def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, max_new_tokens, stats, pre_norm):
-    pending, needs, device = generated[-1], proposer.needs, prompt.device
+@dataclass(frozen=True)
+class Generation:
+    """What every round of one speculative_generate call reads. The objects are fixed for the call; the cache (and
+    the proposer's own state) change in place each round."""
+
+    model: torch.nn.Module  # the target
+    proposer: Proposer
+    cache: DynamicCache  # the target's: prompt + generated[:-1] (the pending token is not in it yet)
+    prompt: Tensor  # (T,) on the model's device
+    sampling: SamplingConfig
+    generator: torch.Generator | None  # draws of the sampling verifier
+    eos: set[int]
+    max_new_tokens: int
+    pre_norm: PreNormCapture  # the last forward's pre-norm hidden state (1, T, H), where the proposer reads it
+
+    def finished(self, generated: list[int]) -> bool:
+        return len(generated) >= self.max_new_tokens or generated[-1] in self.eos
+
+
+def _round(call: Generation, generated: list[int], stats: RoundStats) -> None:
+    # one round: propose a tree at the pending token generated[-1], verify it in one target forward, commit the
+    # accepted path + bonus to `generated`, then compact the cache to that path and update the proposer
+    model, proposer, cache, sampling = call.model, call.proposer, call.cache, call.sampling
+    pending, needs, device = generated[-1], proposer.needs, call.prompt.device
     t0 = perf_counter()
-    context = torch.cat([prompt, torch.tensor(generated[:-1], dtype=torch.long, device=device)])  # (T,) = cache
+    context = torch.cat([call.prompt, torch.tensor(generated[:-1], dtype=torch.long, device=device)])  # (T,) = cache
     tree = _on(proposer.propose(context, pending, sampling), device, pending)
     snapshot = None
     if recurrent := has_recurrent_layers(model):
@@ -230,14 +253,14 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
     if sampling.greedy:
         path, bonus = verify_greedy(tree, logits)
     else:
-        path, bonus = verify_sampling(tree, lambda u: warp(logits[u], sampling), generator)
-    new = _cut(tree.tokens[path[1:]].tolist() + [bonus], eos, max_new_tokens - len(generated))
+        path, bonus = verify_sampling(tree, lambda u: warp(logits[u], sampling), call.generator)
+    new = _cut(tree.tokens[path[1:]].tolist() + [bonus], call.eos, call.max_new_tokens - len(generated))
     generated += new
     stats.accepted.append(len(new) - 1)
     stats.tree_sizes.append(tree.num_nodes)
     stats.tree_depths.append(tree.max_depth)
     t3 = perf_counter()
-    if not _finished(generated, eos, max_new_tokens):  # the last round needs no cache or proposer update
+    if not call.finished(generated):  # the last round needs no cache or proposer update
         keep = torch.tensor(path, device=device)
         if not recurrent:
             compact_cache(cache, past, keep)
@@ -245,7 +268,7 @@ def _round(model, proposer, cache, prompt, generated, sampling, generator, eos, 
             snapshot.restore(cache)
             chain_forward(model, cache, tree.tokens[keep])
         t3 = synced_clock(device)
-        proposer.update(tree.tokens[keep], _features(out, pre_norm, needs, keep), bonus)
+        proposer.update(tree.tokens[keep], _features(out, call.pre_norm, needs, keep), bonus)
     t4 = synced_clock(device)
     stats.draft_s += (t1 - t0) + (t4 - t3)
     stats.verify_s += t2 - t1
@@ -257,10 +280,6 @@ def _cut(new: list[int], eos: set[int], budget: int) -> list[int]:
     new = new[:budget]
     first_eos = next((i for i, t in enumerate(new) if t in eos), None)
     return new if first_eos is None else new[: first_eos + 1]
-
-
-def _finished(generated: list[int], eos: set[int], max_new_tokens: int) -> bool:
-    return len(generated) >= max_new_tokens or generated[-1] in eos
 
 
 def _pick(logits: Tensor, sampling: SamplingConfig, generator) -> int:

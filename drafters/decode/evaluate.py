@@ -259,10 +259,10 @@ def check_depth(what: str, depth: int, max_new_tokens: int, target) -> None:
 def pick_tree(args, target, items, sampling):
     # --tree auto: -> (the chosen TreeSpec, None), or (None, the report) when plain generate is
     # predicted fastest and --speculate-anyway was not given
-    result = autotree.choose_tree(
-        target, args.proposer, lambda spec: load_proposer(args.proposer, target, spec), items, sampling,
-        args.max_new_tokens, prompts=args.auto_prompts, acceptance=args.auto_acceptance,
-        probe_tokens=args.auto_probe_tokens, candidates=args.auto_candidates, log=lambda line: print(line, file=sys.stderr))
+    options = autotree.AutoTreeOptions(prompts=args.auto_prompts, acceptance=args.auto_acceptance,
+                                       probe_tokens=args.auto_probe_tokens, candidates=tuple(args.auto_candidates))
+    result = autotree.choose_tree(target, args.proposer, items, sampling, args.max_new_tokens, options,
+                                  log=lambda line: print(line, file=sys.stderr))
     print(autotree.format_table(result))
     args.tree_auto = result.as_dict()
     chosen = result.best if result.best.spec != autotree.NO_SPECULATION else result.best_tree

@@ -87,10 +87,14 @@ def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
     if sorted(set(c.aux_layers)) != list(c.aux_layers):
         problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, "
                         "high), the order fc was trained on")
-    norms = [name for name in NORM_OPTIONS if getattr(c, name)]
+    norms = [name for name in (*NORM_OPTIONS, "norm_output") if getattr(c, name)]
     if fmt == "sglang" and norms:
         problems.append(f"the drafter was trained with {', '.join(norms)}: the sglang layout is written without "
                         "norm options; export it with --format vllm (which carries them) or native")
+    if fmt == "sglang" and c.sliding_layers:
+        problems.append(f"layer_types {c.layer_types}: SGLang takes a draft layer's sliding window from its server "
+                        "flag --speculative-draft-window-size, never from the checkpoint; export it with --format "
+                        "vllm (vLLM reads layer_types and sliding_window) or native")
     if fmt == "sglang" and c.num_hidden_layers > 1:
         problems.append(f"{c.num_hidden_layers} decoder layers: SGLang's LlamaForCausalLMEagle3 builds one; export "
                         "with --format vllm (vLLM's llama_eagle3 stacks num_hidden_layers) or native")
@@ -134,8 +138,10 @@ def _vllm_name(key: str) -> str:
 
 
 def llama_layer_fields(c: Eagle3Config, dtype: str) -> dict:
-    """The decoder layers as Llama config fields (more than one: vLLM's layers.1 .. read the hidden stream alone)."""
-    return {**decoder_fields(c, "llama", c.num_hidden_layers, dtype), "mlp_bias": False}
+    """The decoder layers as Llama config fields (more than one: vLLM's layers.1 .. read the hidden stream alone;
+    layer_types / sliding_window: vLLM's Llama attention narrows a sliding draft layer to the window)."""
+    windows = {} if c.layer_types is None else {"layer_types": list(c.layer_types), "sliding_window": c.sliding_window}
+    return {**decoder_fields(c, "llama", c.num_hidden_layers, dtype), "mlp_bias": False, **windows}
 
 
 def sglang_config(c: Eagle3Config, dtype: str) -> dict:
@@ -161,8 +167,8 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
         "transformer_layer_config": llama_layer_fields(c, dtype),
         "draft_vocab_size": c.draft_vocab_size,
         # always written: vLLM defaults a missing norm_before_residual to True; speculators' trainer defaults
-        # norm_before_fc and norm_output to True (norm_output: the normed hidden fed back, never done here)
-        **{option: getattr(c, option) for option in NORM_OPTIONS}, "norm_output": False,
+        # norm_before_fc and norm_output to True (norm_output: the normed hidden fed back to the next step)
+        **{option: getattr(c, option) for option in (*NORM_OPTIONS, "norm_output")},
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # vLLM: HF index as is
         "speculators_config": {

@@ -22,7 +22,10 @@ loader for exported directories), so it accepts what those tools write, and no m
   before 0.5 wrote none): the ids the serving engine then captures, [2, L//2, L-3] as HF
   hidden_states indices in SGLang and vLLM alike, said in one note (which ids, which convention,
   why); the proposer option `aux_layers=` (HF indices) overrides it. Our own exports always record
-  them: `check_export` still requires them.
+  them: `check_export` still requires them;
+- speculators' training defaults (vllm layout): `norm_output` (the final norm applied to the output that the next
+  step reads), a sliding-window draft layer (`layer_types`, `sliding_window` in transformer_layer_config), and no
+  d2t / t2d when the draft vocabulary is the whole target vocabulary: what vLLM serves, read as vLLM reads it.
 """
 
 from dataclasses import dataclass, fields
@@ -32,7 +35,8 @@ import torch
 from safetensors import safe_open
 
 from drafters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.draft_vocab import DraftVocab
+from drafters.eagle3 import LAYER_TYPES, Eagle3Config, Eagle3Drafter
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout,
                                      compare_with_source, config_dtype, float_dtype, get_field, int_list, llama_default,
                                      note_defaults, read_json, read_tensors, rebuild, rope_fields)
@@ -81,6 +85,12 @@ def read_eagle3_export(path, fmt: str, *, target: dict | None = None, aux_layers
     embedding = tensors.pop(EMBEDDING, None) if fmt == "vllm" else None
     if embedding is not None and tuple(embedding.shape) != (geometry["vocab_size"], geometry["hidden_size"]):
         raise ExportCheckError(f"{path}: {EMBEDDING} {tuple(embedding.shape)} is not (vocab_size, hidden_size)")
+    if fmt == "vllm" and not {"d2t", "t2d"} & tensors.keys() and geometry["draft_vocab_size"] == geometry["vocab_size"]:
+        # speculators saves no mapping when it drafts over the whole vocabulary (its default); vLLM then maps
+        # draft id i to target id i
+        tensors |= DraftVocab.from_used(torch.arange(geometry["vocab_size"]), geometry["vocab_size"]).state_dict()
+        said.append(f"{path}: no d2t / t2d and draft_vocab_size = vocab_size = {geometry['vocab_size']}: the "
+                    "whole target vocabulary, draft id i = target id i, as vLLM reads it")
     float_dtype = _check_tensors(tensors, geometry, len(aux_hf), prefix, path,
                                  stated_dtype=geometry.pop("torch_dtype"))
     if target is not None:
@@ -189,14 +199,35 @@ def _layer_geometry(config: dict, where: str, notes: list[str], stacked: bool = 
         torch_dtype=config_dtype(config, where),
     )
     note_defaults(defaults, where, notes)
-    if any(kind != "full_attention" for kind in config.get("layer_types") or ()):
-        raise ExportCheckError(f"{where}: layer_types {config['layer_types']}: a sliding-window "
-                               "draft layer (speculators' training default) is not this "
-                               "project's EAGLE-3 layer, which attends to the whole context")
+    geometry.update(_layer_types(config, num_layers, where, windows=stacked))
     for flag in ("attention_bias", "mlp_bias"):  # our layer has no biases
         if config.get(flag, False) is not False:
             raise ExportCheckError(f"{where}: {flag!r} = {config[flag]!r}, this drafter has none")
     return geometry
+
+
+def _layer_types(config: dict, num_layers: int, where: str, windows: bool) -> dict:
+    """layer_types / sliding_window as Eagle3Config reads them. vLLM's Llama attention narrows a draft layer marked
+    "sliding_attention" to sliding_window (its layer index less the target's layers, `target_layer_count`), so the
+    vllm layout carries them (windows); SGLang takes a draft window from its server flag
+    --speculative-draft-window-size, never from the checkpoint, so the sglang layout refuses a sliding layer."""
+    kinds = config.get("layer_types")
+    if kinds is None:  # vLLM: no layer_types, no window (a bare sliding_window is not read)
+        return {"layer_types": None, "sliding_window": None}
+    if (not isinstance(kinds, list) or len(kinds) != num_layers
+            or not all(kind in LAYER_TYPES for kind in kinds)):
+        raise ExportCheckError(f"{where}: layer_types {kinds!r}: want one of {list(LAYER_TYPES)} per decoder layer "
+                               f"({num_layers})")
+    if "sliding_attention" not in kinds:
+        return {"layer_types": list(kinds), "sliding_window": None}
+    if not windows:
+        raise ExportCheckError(f"{where}: layer_types {kinds}: SGLang does not read a draft layer's sliding window "
+                               "from the checkpoint (only from --speculative-draft-window-size), so this layout "
+                               "cannot carry one")
+    window = get_field(config, "sliding_window", int, where)
+    if window < 1:
+        raise ExportCheckError(f"{where}: sliding_window = {window}, a sliding layer needs at least one position")
+    return {"layer_types": list(kinds), "sliding_window": window}
 
 
 # Norm options engines read, default False (speculators' trainer defaults norm_before_fc and norm_output to True).
@@ -204,7 +235,7 @@ def _layer_geometry(config: dict, where: str, notes: list[str], stacked: bool = 
 # and the sglang layout is read with none of them: a checkpoint that sets them must not draft here.
 NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual")
 UNSUPPORTED_OPTIONS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output")
-VLLM_UNSUPPORTED = ("use_aux_norm", "norm_output")
+VLLM_UNSUPPORTED = ("use_aux_norm",)
 
 
 def _refuse_options(config: dict, where: str, options=UNSUPPORTED_OPTIONS) -> None:
@@ -259,7 +290,7 @@ def _read_vllm(config: dict, where, notes: list[str]) -> tuple[dict, list[int] |
     geometry["draft_vocab_size"] = get_field(config, "draft_vocab_size", int, where)
     # vLLM defaults a missing norm_before_residual to True (and the other two to False): ours are always written
     get_field(config, "norm_before_residual", bool, where)  # required: its engine default is not ours
-    for option in NORM_OPTIONS:
+    for option in (*NORM_OPTIONS, "norm_output"):  # vLLM reads norm_output too (vllm#42764, #46488)
         geometry[option] = get_field(config, option, bool, where) if option in config else False
     if geometry["norm_before_fc"] and geometry["fc_norm"]:
         raise ExportCheckError(f"{where}: norm_before_fc and fc_norm are both true; an EAGLE-3 drafter has one")
@@ -393,7 +424,7 @@ def _check_native(path: Path, target, reference, seed) -> CheckReport:
         return CheckReport(path, "native", ckpt.family, None, None, None, len(ckpt.state_dict),
                            None, None)
     names = {f.name for f in fields(Eagle3Config)}
-    if set(ckpt.config) | {"num_hidden_layers"} != names:  # checkpoints before deeper drafters: one layer
+    if set(ckpt.config) | ADDED_FIELDS != names | ADDED_FIELDS:  # older checkpoints: those fields' defaults
         raise ExportCheckError(f"{path}: config keys differ from Eagle3Config: missing "
                                f"{sorted(names - set(ckpt.config))}, unexpected "
                                f"{sorted(set(ckpt.config) - names)}")
@@ -405,6 +436,11 @@ def _check_native(path: Path, target, reference, seed) -> CheckReport:
     diffs = _compare(Eagle3Config(**ckpt.config), ckpt.state_dict, reference, path, seed, dtype)
     return CheckReport(path, "native", "eagle3", aux, aux, str(dtype), len(ckpt.state_dict),
                        *diffs)
+
+
+# Eagle3Config fields a checkpoint written before them lacks (Eagle3Config's defaults hold for it): deeper drafters,
+# speculators' post-norm output and sliding-window layers
+ADDED_FIELDS = {"num_hidden_layers", "norm_output", "layer_types", "sliding_window"}
 
 
 def _same_tensors(a: dict, b: dict, where: Path) -> None:

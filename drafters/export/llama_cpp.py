@@ -104,6 +104,13 @@ def refusals(family: str, config: dict, target) -> list[str]:
     if family == "eagle3" and config.get("num_hidden_layers", 1) > 1:  # its graph asserts n_layer == 1
         problems.append(f"{config['num_hidden_layers']} decoder layers: llama.cpp's EAGLE-3 graph runs exactly one; "
                         "serve this drafter with vLLM (export --format vllm), or train num_layers=1")
+    if family == "eagle3" and config.get("norm_output"):  # its graph outputs the pre-norm state for the next step
+        problems.append("norm_output (EAGLE-3.1's post-norm output): llama.cpp's EAGLE-3 graph hands the next step "
+                        "the pre-norm output, so it would draft otherwise than trained; serve with vLLM (export "
+                        "--format vllm)")
+    if family == "eagle3" and "sliding_attention" in (config.get("layer_types") or ()):
+        problems.append(f"layer_types {config['layer_types']}: llama.cpp's EAGLE-3 graph attends to the whole "
+                        "context, no sliding window; serve with vLLM (export --format vllm)")
     if config.get("fc_norm"):  # EAGLE-3.1's per-layer norms: no tensor mapping in its converter
         problems.append("fc_norm (EAGLE-3.1's norm per aux layer): llama.cpp's converter has no mapping for its "
                         "fc_norm.* tensors; train with norm_before_fc instead (which llama.cpp runs), or serve with vLLM")

@@ -25,6 +25,7 @@ from drafters.dflash import (
 from drafters.draft_vocab import DraftVocab
 from drafters.losses import chunked_draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy, table_rows
 from drafters.training.data import choose_mask_token
+from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe
 
@@ -134,14 +135,45 @@ class BlockOutput:
     labels: Tensor | None = None  # if asked: (B, N, Bk-1) draft id of the target argmax, -1 = not counted
 
 
-def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep, *,
-               gamma: float = 4.0, labels: str = "soft", return_logits: bool = False,
-               confidence_weight: float = 1.0, weighting: str = "decay", dpace_alpha: float = 0.5) -> BlockOutput:
-    """The DFlash objective on one batch: drafter.block_unroll's blocks, slot j = 1..Bk-1 scored against the
-    target's row a+j-1 (drafters.dflash.block_label_rows / block_label_mask) and weighted w_j =
-    exp(-(j-1) / gamma); loss = sum_j w_j sum CE_j / sum_j w_j count_j. target_logits (B, T, V) or
-    drafters.losses.LabelLogits (read at label rows only). labels "soft": CE against the target distribution
-    renormalised over the draft vocabulary; "argmax": CE against the target's argmax (one-hot). A label
+@dataclass(frozen=True)
+class BlockLossOptions:
+    """How block_loss weighs and labels the slots (the recipe's dflash section, + dspark.confidence_weight)."""
+
+    gamma: float = 4.0  # decay: w_j = exp(-(j-1) / gamma)
+    labels: str = "soft"  # soft: CE against the target distribution; argmax: against its argmax (one-hot)
+    weighting: str = "decay"  # decay: the fixed w_j; dpace: each block's `dpace_weights`
+    dpace_alpha: float = 0.5
+    confidence_weight: float = 1.0  # DSpark's confidence head: its BCE weighs this much in the loss
+
+    @classmethod
+    def of(cls, o: DFlashOptions, confidence_weight: float = 1.0) -> "BlockLossOptions":
+        return cls(o.gamma, o.labels, o.weighting, o.dpace_alpha, confidence_weight)
+
+
+@dataclass(frozen=True)
+class BlockSlots:
+    """One batch's blocks as the loss reads them: slot j = 1..Bk-1 of block n in row b, its label the target's row
+    a+j-1 (drafters.dflash.block_label_rows). The target side is computed once per distinct row."""
+
+    normed: Tensor  # (B, N, Bk-1, h) the drafter's normed output at the slots
+    prev: Tensor  # (B, N, Bk-1) the token before each slot's label (DSpark's Markov bias reads it)
+    wanted: Tensor  # (B, N, Bk-1) bool: the label is supervised (block kept, loss_mask at the label)
+    index: Tensor  # (B, N, Bk-1) into target_p / argmax_draft, -1 = not counted
+    target_p: Tensor  # (R, Vd) float32 the target's distribution over the draft vocabulary (one-hot for argmax)
+    argmax_draft: Tensor  # (R,) draft id of the target's argmax
+
+    @property
+    def counted(self) -> Tensor:  # (B, N, Bk-1) wanted AND the target's argmax is in the draft vocab
+        return self.index >= 0
+
+
+def block_loss(drafter: DFlashDrafter, batch: FeatureBatch, anchors, keep,
+               options: BlockLossOptions = BlockLossOptions(), *, return_logits: bool = False) -> BlockOutput:
+    """The DFlash objective on one batch: drafter.block_unroll's blocks at `anchors` (B, N) where `keep` (B, N),
+    slot j = 1..Bk-1 scored against the target's row a+j-1 (drafters.dflash.block_label_rows / block_label_mask)
+    and weighted w_j = exp(-(j-1) / gamma); loss = sum_j w_j sum CE_j / sum_j w_j count_j. batch.target_logits
+    (B, T, V) or drafters.losses.LabelLogits (read at label rows only). labels "soft": CE against the target
+    distribution renormalised over the draft vocabulary; "argmax": CE against the target's argmax (one-hot). A label
     whose full-vocabulary target argmax is outside the draft vocabulary is not counted (as EAGLE-3).
     DSpark (drafters.dspark): slot j's logits add the Markov bias of the true token a+j-1 (teacher forcing), and
     a confidence head, if any, adds confidence_weight x sum_j w_j sum BCE_j / sum_j w_j count_j, its label the
@@ -149,47 +181,46 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     weighting "dpace": each counted slot's CE weighs its block's `dpace_weights` instead, loss = sum w CE / sum w
     (the weighted mean, as with the decay; the confidence head keeps the decay); the slots' logits are then kept.
     return_logits keeps every slot's logits (tests, evaluation)."""
-    if labels not in LABELS:
-        raise ValueError(f"labels={labels!r}: use one of {', '.join(LABELS)}")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting={weighting!r}: use one of {', '.join(WEIGHTINGS)}")
-    c, device = drafter.config, input_ids.device
-    bk, seq_len = c.block_size, input_ids.shape[1]
-    normed = drafter.block_unroll(features, input_ids, embed, anchors, keep)[:, :, 1:]  # (B, N, Bk-1, h)
-    prev = block_prev_ids(input_ids, anchors, bk)  # (B, N, Bk-1) the token before each slot's label
+    if options.labels not in LABELS:
+        raise ValueError(f"labels={options.labels!r}: use one of {', '.join(LABELS)}")
+    if options.weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={options.weighting!r}: use one of {', '.join(WEIGHTINGS)}")
+    c, device = drafter.config, batch.input_ids.device
+    bk, seq_len = c.block_size, batch.input_ids.shape[1]
+    normed = drafter.block_unroll(batch.features, batch.input_ids, batch.embed, anchors, keep)[:, :, 1:]
     rows = block_label_rows(anchors, bk)  # (B, N, Bk-1): target row a+j-1 labels slot j
-    wanted = block_label_mask(anchors, keep, loss_mask, bk)  # (B, N, Bk-1)
-    index, (target_p, argmax_draft) = supervised_block_targets(drafter, target_logits, rows, wanted, seq_len)
-    counted = index >= 0  # wanted AND the target's argmax is in the draft vocab
-    if labels == "argmax":
+    wanted = block_label_mask(anchors, keep, batch.loss_mask, bk)  # (B, N, Bk-1)
+    index, (target_p, argmax_draft) = supervised_block_targets(drafter, batch.target_logits, rows, wanted, seq_len)
+    if options.labels == "argmax":
         target_p = F.one_hot(argmax_draft, c.draft_vocab_size).float()
-    weights = decay_weights(bk, gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
-    counts = counted.sum(dim=(0, 1))  # (Bk-1,)
+    slots = BlockSlots(normed, block_prev_ids(batch.input_ids, anchors, bk), wanted, index, target_p, argmax_draft)
+    weights = decay_weights(bk, options.gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
+    counts = slots.counted.sum(dim=(0, 1))  # (Bk-1,)
     total = (weights * counts).sum().clamp(min=1e-12)  # sum_j w_j count_j
-    fused = not return_logits and c.final_logit_softcapping is None and drafter.fused_loss and weighting == "decay"
-    if weighting == "dpace":
-        return _dpace_block_loss(drafter, normed, prev, index, counted, target_p, argmax_draft, wanted, weights,
-                                 total, dpace_alpha, return_logits, confidence_weight)
+    if options.weighting == "dpace":
+        return _dpace_block_loss(drafter, slots, weights, total, options, return_logits)
+    fused = not return_logits and c.final_logit_softcapping is None and drafter.fused_loss
     losses, accuracies, all_logits, confidence = [], [], [], []
     for j in range(bk - 1):  # slot j+1
-        rows_j = index[:, :, j][counted[:, :, j]]  # (M_j,) into target_p / argmax_draft
+        counted_j = slots.counted[:, :, j]  # (B, N)
+        rows_j = index[:, :, j][counted_j]  # (M_j,) into target_p / argmax_draft
         want = argmax_draft[rows_j]  # (M_j,)
         scale = total / weights[j]  # loss_j = w_j sum CE / total
         if fused:  # the frozen head fused into the loss: no (M_j, Vd) logits kept for backward, nor labels copied
-            loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted[:, :, j]], drafter.head, target_p, want,
+            loss, acc, _ = linear_soft_cross_entropy(normed[:, :, j][counted_j], drafter.head, target_p, want,
                                                      num_positions=scale, target_rows=rows_j)
         else:
             p = target_p[rows_j]  # (M_j, Vd)
-            logits = drafter.slot_logits(normed[:, :, j], prev[:, :, j])  # (B, N, Vd)
+            logits = drafter.slot_logits(normed[:, :, j], slots.prev[:, :, j])  # (B, N, Vd)
             if return_logits:
                 all_logits.append(logits)
             ones = torch.ones_like(want, dtype=torch.bool)
-            picked = logits[counted[:, :, j]]  # (M_j, Vd)
+            picked = logits[counted_j]  # (M_j, Vd)
             loss, acc, _ = soft_cross_entropy(picked, p, ones, want, ones, num_positions=scale)
             if drafter.confidence_head is not None:
                 with torch.no_grad():  # P(accept a draft from q) = 1 - TV(q, p)
                     accept = 1 - 0.5 * (torch.softmax(picked.float(), -1) - p).abs().sum(-1)
-                conf = drafter.confidence_logits(normed[:, :, j][counted[:, :, j]], prev[:, :, j][counted[:, :, j]])
+                conf = drafter.confidence_logits(normed[:, :, j][counted_j], slots.prev[:, :, j][counted_j])
                 confidence.append(F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="sum") / scale)
         losses.append(loss)
         accuracies.append(acc)
@@ -199,25 +230,27 @@ def block_loss(drafter: DFlashDrafter, features, input_ids, target_logits, loss_
     label_ids = None
     if return_logits:  # draft id of the target argmax where counted, else -1
         label_ids = torch.full_like(index, -1)
-        label_ids[counted] = argmax_draft[index[counted]]
-    loss = step_losses.sum() + (confidence_weight * torch.stack(confidence).sum() if confidence else 0.0)
+        label_ids[slots.counted] = argmax_draft[index[slots.counted]]
+    loss = step_losses.sum() + (options.confidence_weight * torch.stack(confidence).sum() if confidence else 0.0)
     return BlockOutput(loss=loss, step_losses=mean_ce, step_accuracies=torch.stack(accuracies),
                        step_counts=counts, step_supervised=wanted.sum(dim=(0, 1)),
                        logits=torch.stack(all_logits, 2) if return_logits else None, labels=label_ids)
 
 
-def _dpace_block_loss(drafter, normed, prev, index, counted, target_p, argmax_draft, wanted, decay, decay_total,
-                      alpha, return_logits, confidence_weight) -> BlockOutput:
+def _dpace_block_loss(drafter, slots: BlockSlots, decay: Tensor, decay_total: Tensor, options: BlockLossOptions,
+                      return_logits: bool) -> BlockOutput:
     """block_loss under weighting "dpace": every slot's logits (B, N, Bk-1, Vd), each counted slot's CE (`soft`:
     against target_p; `argmax`: target_p is already one-hot), D-PACE's detached weights from the draft's probability
-    of the target's argmax, loss = sum w CE / sum w."""
+    of the target's argmax, loss = sum w CE / sum w. decay (Bk-1,) and decay_total = sum_j w_j count_j weigh the
+    confidence head's BCE, as in block_loss."""
+    normed, prev, counted = slots.normed, slots.prev, slots.counted
     logits = torch.stack([drafter.slot_logits(normed[:, :, j], prev[:, :, j]) for j in range(normed.shape[2])], 2)
     log_q = torch.log_softmax(logits.float(), dim=-1)  # (B, N, Bk-1, Vd)
-    safe = index.clamp(min=0)
-    p, want = target_p[safe], argmax_draft[safe]  # (B, N, Bk-1, Vd), (B, N, Bk-1)
+    safe = slots.index.clamp(min=0)
+    p, want = slots.target_p[safe], slots.argmax_draft[safe]  # (B, N, Bk-1, Vd), (B, N, Bk-1)
     ce = torch.where(counted, -(p * log_q).sum(-1), 0.0)  # (B, N, Bk-1)
     with torch.no_grad():
-        weights = dpace_weights(log_q.gather(-1, want[..., None]).squeeze(-1).exp(), counted, alpha)
+        weights = dpace_weights(log_q.gather(-1, want[..., None]).squeeze(-1).exp(), counted, options.dpace_alpha)
     total = (weights * counted).sum().clamp(min=1e-12)
     step_losses = (weights * ce).sum(dim=(0, 1)) / total  # (Bk-1,) weighted shares of the loss
     counts = counted.sum(dim=(0, 1))
@@ -232,10 +265,10 @@ def _dpace_block_loss(drafter, normed, prev, index, counted, target_p, argmax_dr
         conf = torch.stack([drafter.confidence_logits(normed[:, :, j], prev[:, :, j]) for j in range(normed.shape[2])],
                            2)  # (B, N, Bk-1)
         bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
-        loss = loss + confidence_weight * (decay * torch.where(counted, bce, 0.0)).sum() / decay_total
+        loss = loss + options.confidence_weight * (decay * torch.where(counted, bce, 0.0)).sum() / decay_total
     label_ids = torch.where(counted, want, -1) if return_logits else None
     return BlockOutput(loss=loss, step_losses=mean_ce, step_accuracies=accuracies, step_counts=counts,
-                       step_supervised=wanted.sum(dim=(0, 1)), logits=logits if return_logits else None,
+                       step_supervised=slots.wanted.sum(dim=(0, 1)), logits=logits if return_logits else None,
                        labels=label_ids)
 
 
@@ -261,7 +294,8 @@ class DFlashObjective(nn.Module):
 
     def __init__(self, drafter: DFlashDrafter, options: DFlashOptions, seed: int = 0, confidence_weight: float = 1.0):
         super().__init__()
-        self.drafter, self.options, self.confidence_weight = drafter, options, confidence_weight
+        self.drafter, self.options = drafter, options
+        self.loss_options = BlockLossOptions.of(options, confidence_weight)
         self.register_buffer("anchor_generator", torch.Generator().manual_seed(seed).get_state())  # uint8
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> BlockOutput:
@@ -269,10 +303,8 @@ class DFlashObjective(nn.Module):
         generator.set_state(self.anchor_generator.cpu())
         anchors, keep = sample_anchors(loss_mask, self.options.anchors, generator)
         self.anchor_generator.copy_(generator.get_state())
-        o = self.options
-        return block_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, anchors, keep,
-                          gamma=o.gamma, labels=o.labels, confidence_weight=self.confidence_weight,
-                          weighting=o.weighting, dpace_alpha=o.dpace_alpha)
+        batch = FeatureBatch(features, input_ids, target_logits, loss_mask, embed)
+        return block_loss(self.drafter, batch, anchors, keep, self.loss_options)
 
 
 @torch.no_grad()
@@ -288,6 +320,8 @@ def evaluate_dflash(drafter: DFlashDrafter, inputs, embed, batches: list[dict], 
     drafter.eval()
     o, slots = recipe.dflash, recipe.dflash.block_size - 1
     generator = torch.Generator().manual_seed(recipe.seed)
+    # the held-out loss weighs the slots by the decay, whatever o.weighting, and DSpark's confidence BCE by 1
+    options = BlockLossOptions(gamma=o.gamma, labels=o.labels)
     correct, counted, supervised = (torch.zeros(slots, device=accelerator.device) for _ in range(3))
     runs, blocks, loss = 0.0, 0, 0.0
     for batch in batches:
@@ -295,8 +329,8 @@ def evaluate_dflash(drafter: DFlashDrafter, inputs, embed, batches: list[dict], 
         features, target_logits = inputs(batch)
         anchors, keep = sample_anchors(batch["loss_mask"], o.anchors, generator)
         with accelerator.autocast():
-            out = block_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
-                             anchors, keep, gamma=o.gamma, labels=o.labels, return_logits=True)
+            out = block_loss(drafter, FeatureBatch(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                                                   embed), anchors, keep, options, return_logits=True)
         hit = (out.logits.argmax(-1) == out.labels) & (out.labels >= 0)  # (B, N, B-1)
         correct += hit.sum(dim=(0, 1))
         counted += out.step_counts

@@ -16,6 +16,7 @@ from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter
 from drafters.layers import shift_left, ttt_label_mask
 from drafters.losses import LabelLogits, in_row_chunks, soft_cross_entropy
 from drafters.targets import FrozenHead
+from drafters.training.loop import FeatureBatch
 from drafters.training.schema import FeatureRecipe
 
 
@@ -126,17 +127,17 @@ def chunked_token_loss(drafter: Eagle1Drafter, predicted: Tensor, target_logits,
     return loss, correct / count.clamp(min=1), count
 
 
-def chain_loss(drafter: Eagle1Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 1,
-               feature_weight: float = 1.0, token_weight: float = 0.1, noise: Tensor | None = None,
-               return_logits: bool = False) -> Eagle1Output:
-    """The EAGLE-1 objective on drafter.chain_unroll's steps. target_logits (B, T, V), or a LabelLogits (read at
-    the counted rows only: drafters.losses); loss_mask (B, T) with
+def chain_loss(drafter: Eagle1Drafter, batch: FeatureBatch, *, steps: int = 1, feature_weight: float = 1.0,
+               token_weight: float = 0.1, noise: Tensor | None = None, return_logits: bool = False) -> Eagle1Output:
+    """The EAGLE-1 objective on drafter.chain_unroll's steps. batch.target_logits (B, T, V), or a LabelLogits (read
+    at the counted rows only: drafters.losses); batch.loss_mask (B, T) with
     loss_mask[s] = 1 iff token s is learnt. Step i at position t is scored against the target's row t+1+i
     (feature_{t+1+i}; its logits predict token t+2+i) where loss_mask[t+2+i]: SmoothL1 on the feature and
     soft CE against the target's distribution. The loss is that of step 0 only (the paper's objective);
     later steps are the held-out chain's metrics."""
+    features, target_logits, loss_mask = batch.features, batch.target_logits, batch.loss_mask
     metrics, step_logits = [], []
-    for step, hidden in drafter.chain_unroll(features, input_ids, embed, steps, noise):
+    for step, hidden in drafter.chain_unroll(features, batch.input_ids, batch.embed, steps, noise):
         counted = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i): t -> loss_mask[t+2+i]
         num_rows = counted.shape[1]
         predicted = hidden[:, :num_rows][counted]  # (M, h)
@@ -181,7 +182,7 @@ class Eagle1Objective(nn.Module):
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> Eagle1Output:
         o = self.options
         noise = self.draw_noise(features) if self.training and o.noise else None
-        return chain_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, steps=1,
+        return chain_loss(self.drafter, FeatureBatch(features, input_ids, target_logits, loss_mask, embed), steps=1,
                           feature_weight=o.feature_weight, token_weight=o.token_weight, noise=noise)
 
     def draw_noise(self, features: Tensor) -> Tensor:
@@ -231,8 +232,8 @@ def evaluate_eagle1(drafter: Eagle1Drafter, inputs, embed, batches: list[dict], 
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         features, target_logits = inputs(batch)
         with accelerator.autocast():
-            out = chain_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
-                                        steps=steps, feature_weight=o.feature_weight, token_weight=o.token_weight)
+            rows = FeatureBatch(features, batch["input_ids"], target_logits, batch["loss_mask"], embed)
+            out = chain_loss(drafter, rows, steps=steps, feature_weight=o.feature_weight, token_weight=o.token_weight)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         sums += torch.stack([out.loss, out.feature_losses[0], out.token_losses[0]])

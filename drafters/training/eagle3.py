@@ -5,9 +5,9 @@ inputs and draft vocabulary (their entries in drafters.training.families name th
 own recipe and objective are in its own module.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -18,14 +18,13 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.layers import ENGINE_AUX_LAYERS, ttt_label_mask, ttt_label_rows
 from drafters.losses import DIVERGENCES, LabelLogits, soft_cross_entropy, supervised_targets
 from drafters.targets import FrozenHead, Target, default_eagle3_layers
+from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe, DrafterNorms, FeatureRecipe
 
 
-@dataclass(kw_only=True)
-class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..., layers, features, draft vocab
-    drafter: Literal["eagle3"] = "eagle3"
-    output_dir: str = "outputs/eagle3"
+@dataclass
+class Eagle3Options:  # the recipe's `eagle3:` section: what EAGLE-3 alone reads
     ttt_steps: int = 7
     step_weight: float = 0.8  # the loss of TTT step i weighs step_weight ** i
     # each position's loss adds tv_weight x the total variation distance between the target's and the draft's
@@ -53,28 +52,41 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
     # in Vd beyond the weights, for about twice the LM heads' matmuls (report/memory)
     vocab_memory: Literal["table", "recompute"] = "table"
 
+
+@dataclass(kw_only=True)
+class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..., layers, features, draft vocab, norms
+    drafter: Literal["eagle3"] = "eagle3"
+    output_dir: str = "outputs/eagle3"
+    eagle3: Eagle3Options = field(default_factory=Eagle3Options)
+    # earlier releases read these at the top level: moved under eagle3: with a deprecation line, for this release
+    moved_keys: ClassVar[dict[str, str]] = {f.name: "eagle3" for f in fields(Eagle3Options)}
+
     def problems(self) -> list[str]:
-        problems = super().problems() + self.norm_problems()
-        if self.ttt_steps < 1:
-            problems.append(f"ttt_steps={self.ttt_steps} must be >= 1")
-        if self.step_weight <= 0:
-            problems.append(f"step_weight={self.step_weight} must be > 0")
-        if self.tv_weight < 0:
-            problems.append(f"tv_weight={self.tv_weight} must be >= 0 (0 = the divergence alone)")
-        if self.divergence not in DIVERGENCES:
-            problems.append(f"divergence={self.divergence!r} is not a loss EAGLE-3 trains with: use one of "
-                            f"{', '.join(DIVERGENCES)}")
-        if self.vocab_memory not in ("table", "recompute"):
-            problems.append(f"vocab_memory={self.vocab_memory!r}: use table (keep the label table, fastest) or "
-                            "recompute (memory flat in the draft vocabulary)")
-        if self.num_layers < 1:
-            problems.append(f"num_layers={self.num_layers} must be >= 1 (EAGLE-3's drafter is one decoder layer)")
-        if self.grow_layers and self.init_from is None:
-            problems.append("grow_layers=true stacks layers on init_from's checkpoint: set init_from, or drop "
-                            "grow_layers (a fresh run builds num_layers layers anyway)")
-        if self.eval_ttt_steps is not None and self.eval_ttt_steps < 1:
-            problems.append(f"eval_ttt_steps={self.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
-        return problems
+        return super().problems() + self.norm_problems() + check_eagle3(self.eagle3, self.init_from)
+
+
+def check_eagle3(o: Eagle3Options, init_from: str | None) -> list[str]:
+    problems = []
+    if o.ttt_steps < 1:
+        problems.append(f"eagle3.ttt_steps={o.ttt_steps} must be >= 1")
+    if o.step_weight <= 0:
+        problems.append(f"eagle3.step_weight={o.step_weight} must be > 0")
+    if o.tv_weight < 0:
+        problems.append(f"eagle3.tv_weight={o.tv_weight} must be >= 0 (0 = the divergence alone)")
+    if o.divergence not in DIVERGENCES:
+        problems.append(f"eagle3.divergence={o.divergence!r} is not a loss EAGLE-3 trains with: use one of "
+                        f"{', '.join(DIVERGENCES)}")
+    if o.vocab_memory not in ("table", "recompute"):
+        problems.append(f"eagle3.vocab_memory={o.vocab_memory!r}: use table (keep the label table, fastest) or "
+                        "recompute (memory flat in the draft vocabulary)")
+    if o.num_layers < 1:
+        problems.append(f"eagle3.num_layers={o.num_layers} must be >= 1 (EAGLE-3's drafter is one decoder layer)")
+    if o.grow_layers and init_from is None:
+        problems.append("eagle3.grow_layers=true stacks layers on init_from's checkpoint: set init_from, or drop "
+                        "grow_layers (a fresh run builds eagle3.num_layers layers anyway)")
+    if o.eval_ttt_steps is not None and o.eval_ttt_steps < 1:
+        problems.append(f"eagle3.eval_ttt_steps={o.eval_ttt_steps} must be >= 1 or null (null = ttt_steps)")
+    return problems
 
 
 def warn_about_layers(recipe: FeatureRecipe, say=print) -> None:
@@ -130,24 +142,24 @@ def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftV
     say(f"eagle: drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"{drafter.config.num_hidden_layers} decoder layer{'s' if drafter.config.num_hidden_layers > 1 else ''}, "
         f"aux layers {drafter.config.aux_layers}, draft vocab {vocab.size} of {target.vocab_size}")
-    return Eagle3Objective(drafter, recipe.ttt_steps, recipe.step_weight, recipe.tv_weight, recipe.divergence,
-                           recompute=recipe.vocab_memory == "recompute")
+    return Eagle3Objective(drafter, TTTOptions.of(recipe.eagle3))
 
 
 def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
-    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers, num_layers=recipe.num_layers,
-                                             **recipe.norms())
+    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers,
+                                             num_layers=recipe.eagle3.num_layers, **recipe.norms())
     drafter = Eagle3Drafter(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
-    if recipe.init_layer is not None:
+    init_layer = recipe.eagle3.init_layer
+    if init_layer is not None:
         layers = target.decoder_layers
-        if not -len(layers) <= recipe.init_layer < len(layers):
-            raise RecipeError(f"init_layer={recipe.init_layer} is not a decoder layer of {target.name} "
+        if not -len(layers) <= init_layer < len(layers):
+            raise RecipeError(f"eagle3.init_layer={init_layer} is not a decoder layer of {target.name} "
                               f"({len(layers)} layers: 0 .. {len(layers) - 1}, or -1 for the last)")
         try:
-            drafter.init_layer_from(layers[recipe.init_layer])
+            drafter.init_layer_from(layers[init_layer])
         except ValueError as err:
-            raise RecipeError(f"init_layer={recipe.init_layer}: {err}") from None
+            raise RecipeError(f"eagle3.init_layer={init_layer}: {err}") from None
     return drafter
 
 
@@ -160,29 +172,47 @@ class TTTOutput:
     step_logits: list[Tensor]  # if asked, step i: (B, T-1-i, Vd) at positions t = 0 .. T-2-i
 
 
-def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_mask, embed, *, steps: int = 7,
-             step_weight: float = 0.8, tv_weight: float = 0.0, divergence: str = "kl",
-             normalize: str = "positions", return_logits: bool = False, recompute: bool = False) -> TTTOutput:
-    """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K steps, each scored by the soft
+@dataclass(frozen=True)
+class TTTOptions:
+    """How ttt_loss scores the training-time test: loss = sum_{i < steps} step_weight^i loss_i, loss_i step i's
+    `divergence` (+ tv_weight x the total variation, drafters.losses) at its counted positions."""
+
+    steps: int = 7  # K TTT steps
+    step_weight: float = 0.8
+    tv_weight: float = 0.0
+    divergence: str = "kl"
+    # positions: loss_i sums over counted positions / (B*T), the official trainer's and SpecForge's "averaged over
+    # all positions"; counted: the mean over them
+    normalize: str = "positions"
+    # nothing kept that grows with the draft vocabulary (vocab_memory=recompute): the labels are a
+    # drafters.losses.RecomputedLabels and the fused head computes its gradients in backward
+    recompute: bool = False
+
+    @classmethod
+    def of(cls, o: Eagle3Options) -> "TTTOptions":  # the recipe's eagle3 section
+        return cls(o.ttt_steps, o.step_weight, o.tv_weight, o.divergence, recompute=o.vocab_memory == "recompute")
+
+
+def ttt_loss(drafter: Eagle3Drafter, batch: FeatureBatch, options: TTTOptions = TTTOptions(), *,
+             return_logits: bool = False) -> TTTOutput:
+    """The EAGLE-3 objective on one batch: drafter.ttt_unroll's K = options.steps steps, each scored by the soft
     cross-entropy (or another `divergence`) against the target's distribution renormalised over the draft
-    vocabulary, weighted step_weight^i (each position's loss + tv_weight x total variation, drafters.losses).
-    target_logits (B, T, V), or drafters.losses.LabelLogits (read only at the supervised rows, so the full (B, T, V)
-    logits need not exist); loss_mask (B, T), loss_mask[s] = 1 iff token s
-    is learnt. normalize: "positions" = each step's loss sums over counted positions / (B*T), the
-    official trainer's and SpecForge's "averaged over all positions"; "counted" = mean over them.
-    return_logits keeps each step's draft logits in the output (tests; costs memory). recompute: nothing kept that
-    grows with the draft vocabulary (the recipe's vocab_memory=recompute): the labels are a
-    drafters.losses.RecomputedLabels and the fused head computes its gradients in backward."""
-    if normalize not in ("positions", "counted"):
-        raise ValueError(f"normalize={normalize!r}: use 'positions' or 'counted'")
-    batch, seq_len = input_ids.shape
+    vocabulary, weighted step_weight^i (TTTOptions). batch.target_logits (B, T, V), or drafters.losses.LabelLogits
+    (read only at the supervised rows, so the full (B, T, V) logits need not exist); batch.loss_mask (B, T),
+    loss_mask[s] = 1 iff token s is learnt. return_logits keeps each step's draft logits in the output (tests; costs
+    memory)."""
+    o = options
+    if o.normalize not in ("positions", "counted"):
+        raise ValueError(f"normalize={o.normalize!r}: use 'positions' or 'counted'")
+    loss_mask = batch.loss_mask
+    batch_size, seq_len = batch.input_ids.shape
     # Only supervised positions are scored: norm + lm_head + soft CE run on their rows alone (prompt and
     # padding rows are skipped). Every step's label row r = t+1+i is supervised iff loss_mask[r+1] = 1,
     # the same rows at all steps, so the target side is computed once there.
-    rows, targets = supervised_targets(drafter, target_logits, loss_mask, recompute=recompute)
-    num_positions = batch * seq_len if normalize == "positions" else None
+    rows, targets = supervised_targets(drafter, batch.target_logits, loss_mask, recompute=o.recompute)
+    num_positions = batch_size * seq_len if o.normalize == "positions" else None
     metrics, step_logits = [], []
-    for step, hidden in drafter.ttt_unroll(features, input_ids, embed, steps):
+    for step, hidden in drafter.ttt_unroll(batch.features, batch.input_ids, batch.embed, o.steps):
         label_rows = ttt_label_rows(rows, step)  # (B, T-1-i) index into targets, -1 = none
         label_mask = ttt_label_mask(loss_mask, step).bool()  # (B, T-1-i)
         counted = label_mask & (label_rows >= 0)  # supervised AND target argmax in vocab
@@ -195,17 +225,17 @@ def ttt_loss(drafter: Eagle3Drafter, features, input_ids, target_logits, loss_ma
             step_logits.append(logits)
             all_counted = torch.ones_like(counted_rows, dtype=torch.bool)  # (M,)
             metrics.append(soft_cross_entropy(logits[counted], target_p, all_counted, argmax_draft,
-                                              all_counted, num_positions=num_positions, tv_weight=tv_weight,
-                                              divergence=divergence))
+                                              all_counted, num_positions=num_positions, tv_weight=o.tv_weight,
+                                              divergence=o.divergence))
         else:  # the same loss, LM head fused in: no (M, Vd) tensor is held for backward
-            normed = drafter.norm(hidden[:, :num_rows][counted])  # (M, h)
+            normed = drafter.head_input(hidden[:, :num_rows][counted])  # (M, h)
             # the step's label rows are read from the whole table a chunk at a time (no (M, Vd) copy per step);
             # a module call: sharding engines (ZeRO-3, FSDP) gather the head's weight around it
             metrics.append(drafter.lm_head(normed, targets[0], argmax_draft, num_positions=num_positions,
-                                           tv_weight=tv_weight, divergence=divergence, target_rows=counted_rows,
-                                           recompute=recompute))
+                                           tv_weight=o.tv_weight, divergence=o.divergence, target_rows=counted_rows,
+                                           recompute=o.recompute))
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
-    weights = step_weight ** torch.arange(steps, device=step_losses.device)  # 0.8^i
+    weights = o.step_weight ** torch.arange(o.steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
                      step_accuracies=step_accuracies, step_counts=step_counts, step_logits=step_logits)
 
@@ -214,16 +244,12 @@ class Eagle3Objective(nn.Module):
     """What accelerate prepares (DDP syncs gradients through forward): the training-time test of
     `drafter` on one batch. The target stays outside; its features and embedding are arguments."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, step_weight: float, tv_weight: float = 0.0,
-                 divergence: str = "kl", *, recompute: bool = False):
+    def __init__(self, drafter: Eagle3Drafter, options: TTTOptions):
         super().__init__()
-        self.drafter, self.steps, self.step_weight, self.tv_weight = drafter, steps, step_weight, tv_weight
-        self.divergence, self.recompute = divergence, recompute
+        self.drafter, self.options = drafter, options
 
     def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
-        return ttt_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed,
-                        steps=self.steps, step_weight=self.step_weight, tv_weight=self.tv_weight,
-                        divergence=self.divergence, recompute=self.recompute)
+        return ttt_loss(self.drafter, FeatureBatch(features, input_ids, target_logits, loss_mask, embed), self.options)
 
 
 def target_inputs_fn(recipe: FeatureRecipe, target: Target, drafter):
@@ -264,16 +290,17 @@ def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], 
     estimates P(draft k accepted | drafts 1..k-1 accepted) and tau_pred the mean accepted length
     (bonus token included) of a greedy chain of K drafts. It ignores trees and sampling."""
     drafter.eval()
-    steps = recipe.eval_ttt_steps or recipe.ttt_steps
+    o = recipe.eagle3
+    steps = o.eval_ttt_steps or o.ttt_steps
+    options = replace(TTTOptions.of(o), steps=steps, recompute=False)  # no backward here for recompute to spare
     correct, counted, supervised = (torch.zeros(steps, device=accelerator.device) for _ in range(3))
     loss = torch.zeros((), device=accelerator.device)
     for batch in batches:
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         features, target_logits = inputs(batch)  # online or offline, as in training
         with accelerator.autocast():
-            out = ttt_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"],
-                           embed, steps=steps, step_weight=recipe.step_weight, tv_weight=recipe.tv_weight,
-                           divergence=recipe.divergence)
+            out = ttt_loss(drafter, FeatureBatch(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                                                 embed), options)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])

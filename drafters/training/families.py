@@ -13,6 +13,8 @@ and this one. tests/test_families.py checks that every table names the same fami
 
 import dataclasses
 import difflib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +47,7 @@ from drafters.training.heads import (
 from drafters.training.loop import FeatureRun, Summary, fit, start_run
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
-from drafters.training.recipe import RecipeError, read_recipe
+from drafters.training.recipe import RecipeError, apply_override, read_recipe
 from drafters.training.resume import (
     field_default,
     init_from_gone,
@@ -54,7 +56,7 @@ from drafters.training.resume import (
     load_initial_weights,
     load_resumed_weights,
 )
-from drafters.training.schema import load_train_recipe
+from drafters.training.schema import deprecation, load_train_recipe, move_old_keys, moved_override
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ class TrainingFamily:
     # (recipe, drafter) -> drafters.training.memory.StepShape: what a step holds, for the memory check before the
     # first step; None = not estimated (not checked)
     memory_shape: Callable | None = None
+    # (recipe) -> the target decoder layer the drafter starts as (EAGLE-3's eagle3.init_layer), or None: with one,
+    # the target's decoder layers are loaded even where the features come from a store
+    init_layer: Callable = lambda recipe: None
+    # (recipe) -> whether init_from's drafter is stacked deeper (EAGLE-3's eagle3.grow_layers)
+    grow_layers: Callable = lambda recipe: False
 
     @property
     def offline(self) -> bool:
@@ -94,7 +101,9 @@ _FUSED = dict(run=FeatureRun, store_layout="eagle3", layer_spec=eagle3_layer_spe
 _HEADS = dict(run=HeadsRun, loss_parts="per head", check_rows=check_heads_have_labels)
 TRAINING_FAMILIES: dict[str, TrainingFamily] = {
     "eagle3": TrainingFamily("eagle3", recipe=Eagle3Recipe, build=build_eagle3, loss_parts="per TTT step",
-                             evaluate=evaluate_eagle3, describe=format_eval, memory_shape=ttt_shape, **_FUSED),
+                             evaluate=evaluate_eagle3, describe=format_eval, memory_shape=ttt_shape,
+                             init_layer=lambda recipe: recipe.eagle3.init_layer,
+                             grow_layers=lambda recipe: recipe.eagle3.grow_layers, **_FUSED),
     # DFlash reads EAGLE-3's stored layout: one store serves both at the same layers
     "dflash": TrainingFamily("dflash", recipe=DFlashRecipe, build=build_dflash, loss_parts="per block slot",
                              evaluate=evaluate_dflash, describe=format_dflash_eval, memory_shape=block_shape,
@@ -116,15 +125,39 @@ DEFAULT_FAMILY = "eagle3"  # a recipe that names no `drafter`
 
 def load_recipe(argv: list[str], default: str = DEFAULT_FAMILY):
     """The recipe of argv (RECIPE.yaml [key=value ...]) in the schema of its `drafter`'s family, every problem
-    named at once. A field another family reads is refused with the families that read it, unless it holds that
-    family's default (a recipe copied from another family's keeps working; nothing it says is lost)."""
-    raw = read_recipe(argv[0], argv[1:])
+    named at once. Each family's own options sit in its section (`eagle3:`, `dflash:`, ...); keys an earlier
+    release read at the top level (EAGLE-3's) are moved there with a deprecation line. A field another family reads
+    is refused with the families that read it, unless it holds that family's default (a recipe copied from another
+    family's keeps working; nothing it says is lost)."""
+    raw, overrides = read_moved(argv)
     name = raw.get("drafter", default)
     if not isinstance(name, str) or name not in TRAINING_FAMILIES:
         close = difflib.get_close_matches(str(name), TRAINING_FAMILIES, n=1)
         raise RecipeError(f"{argv[0]}: drafter={name!r} is not a family this trainer trains; choose one of "
                           f"{', '.join(TRAINING_FAMILIES)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    family = TRAINING_FAMILIES[name]
+    foreign, dropped = drop_foreign(raw, name)
+    overrides = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] not in dropped]
+    return load_train_recipe([argv[0], *overrides], TRAINING_FAMILIES[name].recipe, lambda recipe: foreign, raw=raw)
+
+
+def read_moved(argv: list[str]) -> tuple[dict, list[str]]:
+    """The recipe file with its overrides applied, every key an earlier release read at the top level moved into its
+    section (the file's and the overrides', which still win over the file) and said once -> (raw, the overrides)."""
+    moved = {key: section for entry in TRAINING_FAMILIES.values() for key, section in entry.recipe.moved_keys.items()}
+    raw = read_recipe(argv[0])
+    old = move_old_keys(raw, moved, argv[0])
+    old += [key for key in (o.partition("=")[0].strip() for o in argv[1:]) if key in moved and key not in old]
+    overrides = [moved_override(override, moved) for override in argv[1:]]
+    for override in overrides:
+        apply_override(raw, override)
+    if old and os.environ.get("RANK", "0") == "0":  # once per launch, not once per process
+        print(deprecation(argv[0], old, moved), file=sys.stderr)
+    return raw, overrides
+
+
+def drop_foreign(raw: dict, name: str) -> tuple[list[str], set[str]]:
+    """Removes from `raw` the fields only other families read -> (the refusals of those not at their defaults, the
+    fields removed)."""
     # family -> field -> its default, for every family's schema
     defaults = {other: fields_of(entry.recipe) for other, entry in TRAINING_FAMILIES.items()}
     foreign, dropped = [], set()
@@ -135,10 +168,11 @@ def load_recipe(argv: list[str], default: str = DEFAULT_FAMILY):
         # another family's default says nothing this family could read; any other value is refused
         value = raw.pop(key)
         dropped.add(key)
-        if not all(says_default(value, defaults[r][key]) for r in readers):
-            foreign.append(f"{key}={value} is read by drafter: {', '.join(readers)} only, not {name}; remove it")
-    overrides = [o for o in argv[1:] if o.partition("=")[0].strip().split(".")[0] not in dropped]
-    return load_train_recipe([argv[0], *overrides], family.recipe, lambda recipe: foreign, raw=raw)
+        said = next((lines for reader in readers if (lines := changed(key, value, defaults[reader][key]))), [])
+        if said:
+            foreign.append(f"{', '.join(said)} {'is' if len(said) == 1 else 'are'} read by drafter: "
+                           f"{', '.join(readers)} only, not {name}; remove {'it' if len(said) == 1 else 'them'}")
+    return foreign, dropped
 
 
 def fields_of(schema: type) -> dict:
@@ -146,11 +180,15 @@ def fields_of(schema: type) -> dict:
     return {f.name: field_default(f) for f in dataclasses.fields(schema)}
 
 
-def says_default(value, default) -> bool:
-    """A recipe value that changes nothing: null, the default, or a section whose given keys hold their defaults."""
+_ABSENT = object()  # a key the default does not hold
+
+
+def changed(key: str, value, default) -> list[str]:
+    """key=value for each value a recipe sets away from its default (a section's, dotted: eagle3.ttt_steps=3); null
+    says nothing, a key the default lacks is always said."""
     if isinstance(value, dict) and isinstance(default, dict):
-        return all(k in default and says_default(v, default[k]) for k, v in value.items())
-    return value is None or value == default
+        return [line for k, v in value.items() for line in changed(f"{key}.{k}", v, default.get(k, _ABSENT))]
+    return [] if default is not _ABSENT and (value is None or value == default) else [f"{key}={value}"]
 
 
 def train_main(argv: list[str], script: str, default: str = DEFAULT_FAMILY) -> Summary:
@@ -165,8 +203,8 @@ def train(recipe, tag: str | None = None) -> Summary:
     family = TRAINING_FAMILIES[recipe.drafter]
     tag = tag or recipe.drafter
     # from a store, the target's forward never runs: its decoder layers stay on disk (unless a layer initialises
-    # the drafter: EAGLE-3's init_layer)
-    from_store = family.offline and bool(recipe.features.dir) and getattr(recipe, "init_layer", None) is None
+    # the drafter: EAGLE-3's eagle3.init_layer)
+    from_store = family.offline and bool(recipe.features.dir) and family.init_layer(recipe) is None
     accelerator, target, resume, train_rows, held_out = start_run(recipe, tag, decoder=not from_store)
     say = accelerator.print
     store = None
@@ -179,7 +217,7 @@ def train(recipe, tag: str | None = None) -> Summary:
     # takes its weights and vocabulary from its own checkpoint instead, which is grown already (init_from_gone)
     gone = init_from_gone(recipe, resume)
     start = load_checkpoint(resume) if gone else initial_checkpoint(recipe, target)
-    grow_vocab = getattr(recipe, "grow_vocab", False) and not gone  # only the families with a draft vocabulary have it
+    grow_vocab = family.draft_vocab and recipe.grow_vocab and not gone  # only a draft vocabulary grows
     vocab = None
     if family.draft_vocab:  # init_from's vocabulary as it is, or (grow_vocab, or a fresh run) counted on this data
         kept = initial_vocab(start) if start is not None else None
@@ -191,7 +229,7 @@ def train(recipe, tag: str | None = None) -> Summary:
         load_resumed_weights(objective.drafter, start, recipe.init_from, say)
     elif start is not None:  # (a resumed run then loads its own on top)
         load_initial_weights(objective.drafter, start, say, grow_vocab=grow_vocab,
-                             grow_layers=getattr(recipe, "grow_layers", False))  # EAGLE-3's
+                             grow_layers=family.grow_layers(recipe))
     pad = pad_id(target)
     loader = train_loader(recipe, train_rows, pad) if store is None else offline_loader(recipe, store, train_rows, pad)
     eval_batches = length_sorted_batches(held_out, recipe.batch_size)

@@ -295,8 +295,8 @@ def fit(recipe, accelerator, target: Target, objective, loader, eval_batches: li
         follow_schedule(scheduler, step)
         resumed = (step, tokens)
         say(f"{name}: resumed from {resume} at step {step} (pass {position.passes}, micro-batch {position.micro})")
-    run = family.run(family, recipe, accelerator, target, objective, eval_batches, output_dir, train_rows, sampler,
-                     resumed, whole)
+    run = family.run(family, recipe, accelerator, target, objective, RunData(train_rows, sampler, eval_batches),
+                     resumed=resumed, whole=whole)
     losses, position = train_loop(run, optimizer, scheduler, loader, sampler, total_steps, step, position)
     result = run.evaluate(total_steps)
     # resumable, so that raising max_steps continues the finished run (resume_from=latest takes it) rather than
@@ -335,29 +335,38 @@ class Run(Protocol):
         """held_out's result as one line."""
 
 
+@dataclass(frozen=True)
+class RunData:
+    """The rows one run reads, as fit hands them to the family's run."""
+
+    train_rows: list  # Example rows; the sampler's batches index them (rows_of names a bad micro-batch's)
+    sampler: LengthBuckets  # the loader's batch sampler: which rows micro-batch m of pass p holds
+    eval_batches: list  # the held-out batches, collated (or read from the feature store)
+
+
 class RunBase:
     """The pieces of one training run that the loop, the evaluation and the saving share, the same for
     every family. A subclass provides micro_step(batch, acc) (forward + backward of one micro-batch ->
     summed metric tensors), held_out(drafter) -> the evaluation's metrics dict and describe(result) -> its
     one-line summary (the Run protocol above); step_loss_is (what its StepMetrics.parts are, written into
-    every metrics.jsonl row) is the family's loss_parts. resumed: (step, tokens) of the checkpoint resumed.
-    whole: under an engine that shards parameters (shards_parameters), the main process's unsharded copy of
-    the drafter that whole_drafter() fills from the gathered weights; None otherwise."""
+    every metrics.jsonl row) is the family's loss_parts. The run writes into recipe.output_dir. resumed: (step,
+    tokens) of the checkpoint resumed. whole: under an engine that shards parameters (shards_parameters), the main
+    process's unsharded copy of the drafter that whole_drafter() fills from the gathered weights; None otherwise."""
 
-    def __init__(self, family, recipe, accelerator, target, objective, eval_batches, output_dir: Path, train_rows,
-                 sampler, resumed: tuple[int, int] | None = None, whole=None):
+    def __init__(self, family, recipe, accelerator, target, objective, data: RunData, *,
+                 resumed: tuple[int, int] | None = None, whole=None):
         self.family, self.step_loss_is, self.resumed = family, family.loss_parts, resumed
         self.sharded, self.whole = shards_parameters(accelerator), whole
         self.recipe, self.accelerator, self.target = recipe, accelerator, target
-        self.objective, self.eval_batches, self.output_dir = objective, eval_batches, output_dir
-        self.train_rows, self.sampler = train_rows, sampler
+        self.objective, self.output_dir = objective, Path(recipe.output_dir)
+        self.train_rows, self.sampler, self.eval_batches = data.train_rows, data.sampler, data.eval_batches
         self.drafter = accelerator.unwrap_model(objective).drafter
-        self.sink = wandb_sink(recipe, output_dir, accelerator.is_main_process)
-        self.log = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
+        self.sink = wandb_sink(recipe, self.output_dir, accelerator.is_main_process)
+        self.log = MetricsLog(self.output_dir / "metrics.jsonl", accelerator.is_main_process, resume=resumed,
                               sink=self.sink, step_loss_is=self.step_loss_is)
         self.tokens_total = self.log.tokens_total
         if accelerator.is_main_process and resumed is None:
-            (output_dir / "eval.jsonl").write_text("")  # a new run starts new files
+            (self.output_dir / "eval.jsonl").write_text("")  # a new run starts new files
 
     def evaluate(self, step: int) -> dict | None:
         """Held-out metrics on the main process (None without held-out rows), appended to eval.jsonl. With a split
@@ -457,10 +466,23 @@ def check_finite(loss: Tensor, step: int, run, passes: int, micro: int, grad_acc
         f"optim.max_grad_norm set, use mixed_precision=bf16 rather than fp16, or remove those rows.")
 
 
+@dataclass(frozen=True)
+class FeatureBatch:
+    """One batch as a feature-level family's loss reads it (ttt_loss, chain_loss, block_loss, parallel_loss): the
+    target's side computed without grad, online or from the feature store. An objective's forward takes the five
+    fields (what accelerate's engines hand a prepared module) and gives its loss this."""
+
+    features: Tensor  # (B, T, n*h) the fused aux layers (EAGLE-3, DFlash, DSpark, P-EAGLE) or (B, T, h) (EAGLE-1)
+    input_ids: Tensor  # (B, T)
+    target_logits: object  # (B, T, V) tensor, or drafters.losses.LabelLogits (computed at the rows read only)
+    loss_mask: Tensor  # (B, T): loss_mask[s] = 1 iff token s is learnt
+    embed: torch.nn.Module  # the target's frozen token embedding
+
+
 class FeatureRun(RunBase):
     """The run of the feature-level families (EAGLE-3, EAGLE-1, DFlash, DSpark, P-EAGLE): one objective call on
-    (features, input ids, target logits, loss mask, the target's embedding); the family's own inputs,
-    evaluation and summary come from its TrainingFamily entry."""
+    (features, input ids, target logits, loss mask, the target's embedding), the fields of a FeatureBatch; the
+    family's own inputs, evaluation and summary come from its TrainingFamily entry."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

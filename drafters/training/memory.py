@@ -54,12 +54,13 @@ class StepShape:
 
 
 def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every row, through each decoder layer
-    tokens, recompute = recipe.batch_size * recipe.data.max_length, recipe.vocab_memory == "recompute"
+    steps, recompute = recipe.eagle3.ttt_steps, recipe.eagle3.vocab_memory == "recompute"
+    tokens = recipe.batch_size * recipe.data.max_length
     knobs = (f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
-             f"ttt_steps ({recipe.ttt_steps})")
-    return StepShape(recipe.ttt_steps * drafter.config.num_hidden_layers, tokens, tokens, 1 if recompute else recipe.ttt_steps, knobs,
+             f"eagle3.ttt_steps ({steps})")
+    return StepShape(steps * drafter.config.num_hidden_layers, tokens, tokens, 1 if recompute else steps, knobs,
                      recomputed_labels=recompute, switches=() if recompute else (
-                         "vocab_memory=recompute (labels and head gradients recomputed in backward: flat in the "
+                         "eagle3.vocab_memory=recompute (labels and head gradients recomputed in backward: flat in the "
                          "draft vocabulary, slower)",))
 
 

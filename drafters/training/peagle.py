@@ -15,6 +15,7 @@ from drafters.layers import ttt_label_mask, ttt_label_rows
 from drafters.losses import soft_cross_entropy, supervised_targets
 from drafters.peagle import PEagleConfig, PEagleDrafter, chain_label_mask, sample_chains
 from drafters.training.data import choose_mask_token
+from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
 from drafters.training.schema import DraftVocabRecipe, DrafterNorms
 
@@ -79,15 +80,16 @@ class ParallelOutput:
     hits: Tensor | None = None  # if asked: (B, K, N) bool, chain n's depth-d slot correct (depth 0 = its start)
 
 
-def parallel_loss(drafter: PEagleDrafter, features, input_ids, target_logits, loss_mask, embed, starts, keep, *,
+def parallel_loss(drafter: PEagleDrafter, batch: FeatureBatch, starts, keep, *,
                   return_hits: bool = False) -> ParallelOutput:
-    """The P-EAGLE objective: drafter.parallel_unroll's slots, each scored by the soft cross-entropy against the
+    """The P-EAGLE objective: drafter.parallel_unroll's slots for the chains at `starts` (B, N) kept to depth d
+    where `keep` (B, K-1, N), each scored by the soft cross-entropy against the
     target's distribution renormalised over the draft vocabulary (as EAGLE-3; a label whose full-vocabulary
     argmax is outside the draft vocabulary is not counted); loss = sum over counted slots of all depths / their
     count (one mean, no per-depth weights: deeper depths weigh by how many chains reach them)."""
-    seq_len = input_ids.shape[1]
-    hidden = drafter.parallel_unroll(features, input_ids, embed, starts, keep)  # (B, T + (K-1) N, h)
-    rows, targets = supervised_targets(drafter, target_logits, loss_mask)  # (B, T) -> index into targets
+    loss_mask, seq_len = batch.loss_mask, batch.input_ids.shape[1]
+    hidden = drafter.parallel_unroll(batch.features, batch.input_ids, batch.embed, starts, keep)  # (B, T + (K-1) N, h)
+    rows, targets = supervised_targets(drafter, batch.target_logits, loss_mask)  # (B, T) -> index into targets
     n = starts.shape[1]
     # depth 0: row t drafts token t+2 (label row t+1, EAGLE-3's step 0)
     label0 = ttt_label_rows(rows, 0)  # (B, T-1)
@@ -143,7 +145,8 @@ class PEagleObjective(nn.Module):
         o = self.options
         starts, keep = sample_chains(loss_mask, o.depth, o.down_sample_ratio, o.down_sample_ratio_min, generator)
         self.chain_generator.copy_(generator.get_state())
-        return parallel_loss(self.drafter, features, input_ids, target_logits, loss_mask, embed, starts, keep)
+        return parallel_loss(self.drafter, FeatureBatch(features, input_ids, target_logits, loss_mask, embed), starts,
+                             keep)
 
 
 @torch.no_grad()
@@ -166,8 +169,8 @@ def evaluate_peagle(drafter: PEagleDrafter, inputs, embed, batches: list[dict], 
         features, target_logits = inputs(batch)
         starts, keep = sample_chains(batch["loss_mask"], o.depth, 1.0, 1.0, generator, max_chains=o.eval_chains)
         with accelerator.autocast():
-            out = parallel_loss(drafter, features, batch["input_ids"], target_logits, batch["loss_mask"], embed,
-                                starts, keep, return_hits=True)
+            out = parallel_loss(drafter, FeatureBatch(features, batch["input_ids"], target_logits, batch["loss_mask"],
+                                                      embed), starts, keep, return_hits=True)
         acc = out.step_accuracies * out.step_counts
         correct = acc if correct is None else correct + acc
         counted = out.step_counts if counted is None else counted + out.step_counts

@@ -1,9 +1,10 @@
 """YAML recipes with dotted `key=value` overrides, validated against a dataclass schema.
 
-An entry script declares its recipe as a (possibly nested) dataclass; `load_recipe` reads the YAML
+An entry script declares its recipe as a (possibly nested) dataclass; `load_dataclass` reads the YAML
 file, applies command-line overrides, and builds the dataclass, failing on any unknown key (with
 the list of valid keys and the closest match), any missing required key, and any value of the
-wrong type. This module knows nothing about targets, drafters or training.
+wrong type. A training recipe is read by drafters.training.families.load_recipe instead, the one
+`load_recipe` (its `drafter` picks the schema). This module knows nothing about targets, drafters or training.
 """
 
 import dataclasses
@@ -62,7 +63,7 @@ def exit_launched_process(code: int) -> None:
     os._exit(code)
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
+def load_dataclass(path: str | Path, overrides: Sequence[str] = (), *, schema: type[T]) -> T:
     for override in overrides:
         check_override_key(schema, override)
     return build_overridden(schema, read_recipe(path, overrides), path, overrides)

@@ -27,6 +27,7 @@ from drafters.draft_vocab import DraftVocab
 from drafters.errors import UserError
 from drafters.files import check_writable, data_sha256, disk_full, hold_lock
 from drafters.training.recipe import RecipeError
+from drafters.training.schema import move_old_keys
 
 
 @dataclass
@@ -283,7 +284,9 @@ def check_resume(ckpt, recipe_dict: dict, family: str, target, allow_changes: bo
     """The checkpoint must be of this family and target, and trained by the same recipe (recipe_diff)."""
     check_made_for(ckpt, family, target, "resume_from",
                    "resume it with its own recipe or start a fresh run (resume_from=null)")
-    diff = recipe_diff(ckpt.extra.get("recipe", {}), recipe_dict, schema=schema)
+    saved = json.loads(json.dumps(ckpt.extra.get("recipe", {})))  # a copy, laid out as this version reads recipes:
+    move_old_keys(saved, schema.moved_keys if schema is not None else {}, f"resume_from={ckpt.path}")
+    diff = recipe_diff(saved, recipe_dict, schema=schema)
     if diff and not allow_changes:
         raise RecipeError(f"resume_from={ckpt.path}: the recipe changed since that checkpoint:\n  "
                           + "\n  ".join(diff) + "\nresume with the original values, or set "
@@ -380,8 +383,9 @@ def added_layers(drafter, ckpt, had: int) -> dict:
     layers they pass its last layer's output through unchanged."""
     have = drafter.config.num_hidden_layers
     if have <= had:
-        raise RecipeError(f"init_from={ckpt.path}: grow_layers: the checkpoint already has {had} decoder layer(s) and "
-                          f"num_layers={have}; set num_layers above {had}, or drop grow_layers")
+        raise RecipeError(f"init_from={ckpt.path}: eagle3.grow_layers: the checkpoint already has {had} decoder "
+                          f"layer(s) and eagle3.num_layers={have}; set eagle3.num_layers above {had}, or drop "
+                          "eagle3.grow_layers")
     state = {}
     for i in range(had, have):
         layer = drafter.layers[str(i)]

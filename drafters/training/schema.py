@@ -2,13 +2,14 @@
 `FeatureRecipe` and `DraftVocabRecipe`; EAGLE-3's and P-EAGLE's `DrafterNorms`) and their checks.
 
 Each family's recipe is its own subclass in its training module (drafters.training.eagle3.Eagle3Recipe,
-drafters.training.heads.MedusaRecipe, ...), holding its own fields and checking them in `problems()`, named by its
-TrainingFamily entry; load_train_recipe reads a YAML recipe plus key=value overrides into one and names every
-problem at once. Knows nothing about drafters, targets or the loop.
+drafters.training.heads.MedusaRecipe, ...), holding its own options in its own section (`eagle3:`, `dflash:`, ...)
+and checking them in `problems()`, named by its TrainingFamily entry; load_train_recipe reads a YAML recipe plus
+key=value overrides into one and names every problem at once; move_old_keys moves the keys an earlier release read at
+the top level into their sections. Knows nothing about drafters, targets or the loop.
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import ClassVar, Literal
 
 from drafters.dtypes import DtypeName
 from drafters.training.recipe import RecipeError, build_overridden, check_override_key, read_recipe
@@ -87,6 +88,9 @@ class Optim:
 class TrainRecipe:
     """What every training script's recipe has; each script's Recipe adds its family's fields."""
 
+    # {a key an earlier release read at the top level: the section that holds it now} (EAGLE-3's options, now under
+    # `eagle3:`): move_old_keys moves them there, with a deprecation line, for one release
+    moved_keys: ClassVar[dict[str, str]] = {}
     target: str  # short name, model directory, .gguf file or Hub id (drafters.targets)
     data: Data
     optim: Optim = field(default_factory=Optim)
@@ -226,3 +230,32 @@ def check_recipe(recipe: TrainRecipe, own_problems=None) -> None:
     problems = recipe.problems() + (own_problems(recipe) if own_problems else [])
     if problems:
         raise RecipeError("recipe: " + "; ".join(problems))
+
+
+def move_old_keys(raw: dict, moved: dict[str, str], where: str) -> list[str]:
+    """The keys of `moved` that `raw` holds at its top level, moved (in place) into their sections -> their names.
+    A key given in both places is refused: which of the two was meant is not the loader's to guess."""
+    found = [key for key in raw if key in moved and isinstance(raw.get(moved[key], {}), dict)]
+    for key in found:
+        section = raw.setdefault(moved[key], {})
+        if key in section:
+            raise RecipeError(f"{where}: {key} is given both at the top level and under {moved[key]}:, keep the one "
+                              f"under {moved[key]}: (the top level is where an earlier release read it)")
+        section[key] = raw.pop(key)
+    return found
+
+
+def moved_override(override: str, moved: dict[str, str]) -> str:
+    """An override of a key `moved` into a section, written in the section: ttt_steps=3 -> eagle3.ttt_steps=3."""
+    key, sep, value = override.partition("=")
+    key = key.strip()
+    return f"{moved[key]}.{key}={value}" if sep and key in moved else override
+
+
+def deprecation(where: str, keys: list[str], moved: dict[str, str]) -> str:
+    """The one line said when a recipe still holds `moved` keys at its top level."""
+    sections = " / ".join(dict.fromkeys(f"`{moved[key]}:`" for key in keys))
+    one = len(keys) == 1
+    return (f"warning: {where}: {', '.join(keys)} at the top level {'is' if one else 'are'} deprecated: move "
+            f"{'it' if one else 'them'} under {sections} (on the command line: {moved[keys[0]]}.{keys[0]}=...); this "
+            "release still reads the top level, the next will refuse it")

@@ -18,19 +18,16 @@ replacement from the warped q_d, independently per node, and hand q_d to the ver
 Knows nothing about the target model (it gets features, the frozen embedding and head) nor verification.
 """
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from drafters.checkpoint import check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig
 from drafters.decode.tree import ChainSpec, DynamicSpec, Tree, TreeSpec, build_tree, parse_tree_spec, rows_expander
 from drafters.dflash import DFlashCache, DFlashConfig, DFlashDrafter
 from drafters.draft_vocab import scatter_to_target
 from drafters.eagle3 import fuse_features
-from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.registry import build_drafter, check_fits, family_of
 
 
 def tree_name(tree: TreeSpec) -> str:
@@ -97,23 +94,12 @@ class DFlashProposer:
 # ---------------------------------------------------------------- loading
 
 
-def load_dflash_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> DFlashProposer:
-    return dflash_proposer_from_checkpoint(load_checkpoint(Path(path), family="dflash"), target, tree_spec, seed=seed)
-
-
-def dflash_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> DFlashProposer:
-    # ckpt: an already loaded dflash drafters.checkpoint.Checkpoint (read once by the caller)
-    check_target(ckpt, target, other_weights="warn")
-    config = drafter_config("dflash", ckpt.config, ckpt.path)
-    return dflash_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
-
-
 def dflash_proposer(config: DFlashConfig, state: dict, target, tree_spec: str | TreeSpec, where, *,
-                    seed: int = 0, head: Tensor | None = None, family: str = "dflash") -> DFlashProposer:
+                    seed: int = 0, head: Tensor | None = None) -> DFlashProposer:
     """config + state dict in DFlashDrafter names (native checkpoint or a read-back export). head (Vd, h):
     the export's own LM head rows if it has one (speculators' reduced-vocabulary saves), else the target's."""
     check_fits(config, target, where)
-    drafter: DFlashDrafter = build_drafter(family, config, state, where)  # dflash, or dspark (a subclass)
+    drafter: DFlashDrafter = build_drafter(family_of(config), config, state, where)  # dflash, or dspark (a subclass)
     drafter.attach_head(target.lm_head.weight)
     if head is not None:
         with torch.no_grad():

@@ -13,12 +13,10 @@ verification stays lossless; a round whose first slot is below verifies no draft
 import torch
 from torch import Tensor
 
-from drafters.checkpoint import check_target
 from drafters.decode.proposers.dflash import DFlashProposer, dflash_proposer
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import ChainSpec, Frontier, Tree, TreeSpec, build_tree, ranked_draws
 from drafters.dspark import DSparkDrafter
-from drafters.registry import drafter_config
 
 
 class DSparkProposer(DFlashProposer):
@@ -72,16 +70,10 @@ class DSparkProposer(DFlashProposer):
         return expand, probs
 
 
-def dspark_proposer_from_checkpoint(ckpt, target, tree_spec, *, seed: int = 0, conf_min: float = 0.0):
-    check_target(ckpt, target, other_weights="warn")
-    config = drafter_config("dspark", ckpt.config, ckpt.path)
-    return dspark_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed, conf_min=conf_min)
-
-
 def dspark_proposer(config, state: dict, target, tree_spec, where, *, seed: int = 0, conf_min: float = 0.0,
                     head: Tensor | None = None) -> DSparkProposer:
     """config + state dict in DSparkDrafter names (native checkpoint or a read-back export)."""
-    base = dflash_proposer(config, state, target, tree_spec, where, seed=seed, head=head, family="dspark")
+    base = dflash_proposer(config, state, target, tree_spec, where, seed=seed, head=head)
     return DSparkProposer(base.drafter, base.embed, base.tree, seed=seed, conf_min=conf_min)
 
 

@@ -20,12 +20,10 @@ EAGLE-3 and EAGLE-1 differ only in which target features are fused (`eagle3_inpu
 nothing about the target model (it gets features and the frozen embedding) nor verification.
 """
 
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from drafters.checkpoint import check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import (
@@ -41,7 +39,7 @@ from drafters.decode.tree import (
 from drafters.draft_vocab import scatter_to_target
 from drafters.eagle3 import Eagle3Config, fuse_features
 from drafters.layers import DraftKVCache
-from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.registry import build_drafter, check_fits
 
 
 def eagle3_inputs(drafter):
@@ -138,18 +136,7 @@ class EagleProposer:
         return scatter_to_target(x, self.used, self.drafter.config.vocab_size, fill)
 
 
-# ---------------------------------------------------------------- loading a native checkpoint
-
-
-def load_eagle_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
-    return eagle_proposer_from_checkpoint(load_checkpoint(Path(path), family="eagle3"), target, tree_spec, seed=seed)
-
-
-def eagle_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
-    # ckpt: an already loaded eagle3 drafters.checkpoint.Checkpoint (read once by the caller)
-    check_target(ckpt, target, other_weights="warn")
-    config = drafter_config("eagle3", ckpt.config, ckpt.path)
-    return eagle3_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
+# ---------------------------------------------------------------- building one (a native checkpoint's: loading.py)
 
 
 def eagle3_proposer(config: Eagle3Config, state: dict, target, tree_spec: str | TreeSpec, where, *,

@@ -3,14 +3,11 @@ Eagle1Drafter. Differs from EAGLE-3 only in the target feature it reads (`eagle1
 target head attached to the drafter at load time, and in having no reduced vocabulary.
 """
 
-from pathlib import Path
-
-from drafters.checkpoint import CheckpointError, check_target, load_checkpoint
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.tree import TreeSpec, parse_tree_spec
 from drafters.eagle1 import Eagle1Config, Eagle1Drafter
-from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.registry import build_drafter, check_fits
 from drafters.targets import FrozenHead
 
 
@@ -19,20 +16,6 @@ def eagle1_inputs(drafter: Eagle1Drafter):
     if drafter.config.feature == "pre_norm":
         return TargetNeeds(pre_norm_last=True), lambda f: f.pre_norm_last
     return TargetNeeds(last_hidden=True), lambda f: f.last_hidden
-
-
-def load_eagle1_proposer(path, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
-    return eagle1_proposer_from_checkpoint(load_checkpoint(Path(path), family="eagle1"), target, tree_spec,
-                                           seed=seed)
-
-
-def eagle1_proposer_from_checkpoint(ckpt, target, tree_spec: str | TreeSpec, *, seed: int = 0) -> EagleProposer:
-    # ckpt: an already loaded eagle1 drafters.checkpoint.Checkpoint
-    if ckpt.family != "eagle1":
-        raise CheckpointError(f"{ckpt.path}: a {ckpt.family!r} checkpoint, expected 'eagle1'")
-    check_target(ckpt, target, other_weights="warn")
-    config = drafter_config("eagle1", ckpt.config, ckpt.path)
-    return eagle1_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 
 
 def eagle1_proposer(config: Eagle1Config, state: dict, target, tree_spec: str | TreeSpec, where, *,

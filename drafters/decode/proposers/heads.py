@@ -18,12 +18,10 @@ one-hot proposals, lossless), as in the EAGLE proposer. Knows nothing about the 
 gets the last hidden state and the frozen LM head weight) nor verification.
 """
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from drafters.checkpoint import Checkpoint, CheckpointError, check_target, load_checkpoint
+from drafters.checkpoint import Checkpoint, CheckpointError
 from drafters.decode.proposers import TargetNeeds
 from drafters.decode.sampling import SamplingConfig, warp
 from drafters.decode.tree import (
@@ -38,9 +36,8 @@ from drafters.decode.tree import (
     ranked_draws,
 )
 from drafters.medusa import MedusaHeads
-from drafters.registry import check_fits, load_drafter
+from drafters.registry import build_drafter, check_fits, family_of
 
-HEADS_FAMILIES = ("medusa", "blockwise")  # drafters.registry names of the multi-head families
 TREE_FILE = "tree.json"  # the calibrated rank paths a training run writes into each evaluated checkpoint
 
 
@@ -109,22 +106,14 @@ def calibrated_tree(ckpt: Checkpoint) -> StaticSpec:
     return StaticSpec(TreeShape.from_paths(tree["paths"]), f"calibrated:{ckpt.path}")
 
 
-def heads_proposer_from_checkpoint(ckpt: Checkpoint, target, tree_spec: str | TreeSpec | None, *,
-                                   seed: int = 0) -> HeadsProposer:
-    # ckpt: a loaded medusa / blockwise checkpoint; tree_spec None = its calibrated tree
-    check_target(ckpt, target, other_weights="warn")
-    drafter = load_drafter(ckpt, families=HEADS_FAMILIES)
-    check_fits(drafter.config, target, ckpt.path)
+def heads_proposer(config, state: dict, target, tree_spec: str | TreeSpec, where, *, seed: int = 0) -> HeadsProposer:
+    # config + state dict of a Medusa or Blockwise drafter (a native checkpoint's); the weights are checked against
+    # the config before the config against the target
+    drafter = build_drafter(family_of(config), config, state, where)
+    check_fits(config, target, where)
     drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    if tree_spec is None:
-        tree = calibrated_tree(ckpt)
-    else:
-        tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
+    tree = parse_tree_spec(tree_spec) if isinstance(tree_spec, str) else tree_spec
     return HeadsProposer(drafter, target.lm_head.weight.detach(), tree, seed=seed)
-
-
-def load_heads_proposer(path, target, tree_spec: str | TreeSpec | None = None, *, seed: int = 0) -> HeadsProposer:
-    return heads_proposer_from_checkpoint(load_checkpoint(Path(path)), target, tree_spec, seed=seed)
 
 
 # ---------------------------------------------------------------- loading a Medusa-format export

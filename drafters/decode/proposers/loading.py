@@ -29,33 +29,33 @@ from typing import Callable
 
 from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
-from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer_from_checkpoint
+from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer
 from drafters.decode.proposers.draft_model import DraftModelProposer
-from drafters.decode.proposers.dspark import DSparkProposer, dspark_export_loader, dspark_proposer_from_checkpoint
-from drafters.decode.proposers.eagle import eagle3_export_loader, eagle_proposer_from_checkpoint
-from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer_from_checkpoint
-from drafters.decode.proposers.heads import heads_proposer_from_checkpoint, medusa_export_proposer
+from drafters.decode.proposers.dspark import DSparkProposer, dspark_export_loader, dspark_proposer
+from drafters.decode.proposers.eagle import eagle3_export_loader, eagle3_proposer
+from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer
+from drafters.decode.proposers.heads import calibrated_tree, heads_proposer, medusa_export_proposer
 from drafters.decode.proposers.hybrid import HybridProposer
-from drafters.decode.proposers.peagle import peagle_export_loader, peagle_proposer_from_checkpoint
+from drafters.decode.proposers.peagle import peagle_export_loader, peagle_proposer
 from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
 from drafters.decode.tree import ChainSpec, DynamicSpec, TreeSpec
 from drafters.files import drafter_sha256
+from drafters.registry import drafter_config
 
 PROPOSER_SPECS = ("prompt-lookup[:max_ngram=N,min_ngram=N]", "draft-model:<target name or path>",
                   "<drafter checkpoint directory>[:aux_layers=A,B,C]", "<drafter directory>+prompt-lookup[:options]")
 DRAFTER_OPTIONS = ("aux_layers", "conf_min")  # DIR:option=value: see split_drafter_spec
-# Trained drafters register here, one entry per family of drafters.registry.FAMILIES:
-# native checkpoints by family: family -> load(checkpoint, target, tree) -> proposer; the target
-# match (layers, hidden, vocab, context, weights fingerprint) is checked by each loader
-# (drafters.checkpoint.check_target).
-FAMILY_LOADERS: dict[str, Callable] = {
-    "eagle3": eagle_proposer_from_checkpoint,
-    "eagle1": eagle1_proposer_from_checkpoint,
-    "medusa": heads_proposer_from_checkpoint,
-    "blockwise": heads_proposer_from_checkpoint,
-    "dflash": dflash_proposer_from_checkpoint,
-    "dspark": dspark_proposer_from_checkpoint,
-    "peagle": peagle_proposer_from_checkpoint,
+# Trained drafters register here, one entry per family of drafters.registry.FAMILIES: family -> build(config, state,
+# target, tree, where, *, seed, **options) -> proposer, from a checkpoint's config and weights. A native checkpoint
+# comes through proposer_from_checkpoint (the target match checked once there); an export's loader calls its builder.
+FAMILY_PROPOSERS: dict[str, Callable] = {
+    "eagle3": eagle3_proposer,
+    "eagle1": eagle1_proposer,
+    "medusa": heads_proposer,
+    "blockwise": heads_proposer,
+    "dflash": dflash_proposer,
+    "dspark": dspark_proposer,
+    "peagle": peagle_proposer,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before. EAGLE-3
@@ -200,9 +200,9 @@ def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int]
         return DSparkProposer(proposer.drafter, proposer.embed, proposer.tree, conf_min=conf_min)
     if (path / CONFIG_FILE).is_file():  # native drafters checkpoint (drafters.checkpoint)
         checkpoint = read_checkpoint(path)  # each family's loader checks it against the target (check_target)
-        if checkpoint.family not in FAMILY_LOADERS:
+        if checkpoint.family not in FAMILY_PROPOSERS:
             raise ValueError(f"drafter checkpoint {path}: no proposer for family {checkpoint.family!r} yet; "
-                             f"known families: {', '.join(sorted(FAMILY_LOADERS)) or 'none'}")
+                             f"known families: {', '.join(sorted(FAMILY_PROPOSERS)) or 'none'}")
         recorded = checkpoint.config.get("aux_layers")  # the families that read auxiliary layers record them
         if aux_layers is not None and recorded is None:
             raise ValueError(f"aux_layers={aux_layers} for {path}: this {checkpoint.family!r} checkpoint reads no "
@@ -211,7 +211,7 @@ def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int]
             raise ValueError(f"{path / CONFIG_FILE}: records auxiliary layers HF hidden_states {recorded}, but the "
                              f"aux_layers option says {aux_layers}: a drafter drafts only from the layers it was "
                              "trained on; drop the option")
-        return FAMILY_LOADERS[checkpoint.family](checkpoint, target, tree)
+        return proposer_from_checkpoint(checkpoint, target, tree)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ValueError(f"drafter checkpoint {path}: neither {CONFIG_FILE} (a drafters checkpoint) nor "
@@ -235,6 +235,24 @@ def load_checkpoint(path: Path, target, tree: TreeSpec, *, aux_layers: list[int]
         f"{config.get('architectures')}); known formats: {', '.join(CHECKPOINT_LOADERS) or 'none'}. "
         f"Use one of {', '.join(PROPOSER_SPECS[:2])}"
     )
+
+
+def proposer_from_checkpoint(ckpt: Checkpoint, target, tree: str | TreeSpec | None = None, *, seed: int = 0,
+                             **options):
+    """The one loader of a native checkpoint's proposer, every family: the target it records checked against `target`
+    (drafters.checkpoint.check_target; other weights of the same shapes: a warning), its config read, its family's
+    builder (FAMILY_PROPOSERS) with `options` (DSpark: conf_min). tree None: the checkpoint's calibrated tree (a
+    Medusa or Blockwise run writes one)."""
+    check_target(ckpt, target, other_weights="warn")
+    config = drafter_config(ckpt.family, ckpt.config, ckpt.path)
+    tree = calibrated_tree(ckpt) if tree is None else tree
+    return FAMILY_PROPOSERS[ckpt.family](config, ckpt.state_dict, target, tree, ckpt.path, seed=seed, **options)
+
+
+def load_drafter_proposer(path, target, tree: str | TreeSpec | None = None, *, family: str | None = None,
+                          seed: int = 0, **options):
+    """proposer_from_checkpoint of the native checkpoint at `path`; family: refuse a checkpoint of another."""
+    return proposer_from_checkpoint(read_checkpoint(Path(path), family=family), target, tree, seed=seed, **options)
 
 
 def check_export_target(config: dict, target, where) -> None:

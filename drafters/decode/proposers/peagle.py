@@ -10,12 +10,11 @@ The K drafted slots are cropped from the cache at the next commit; no drafted to
 import torch
 from torch import Tensor
 
-from drafters.checkpoint import check_target
 from drafters.decode.proposers.eagle import EagleProposer
 from drafters.decode.sampling import SamplingConfig
 from drafters.decode.tree import ChainSpec, Tree, TreeSpec, build_tree, parse_tree_spec, rows_expander
 from drafters.peagle import PEagleConfig, PEagleDrafter
-from drafters.registry import build_drafter, check_fits, drafter_config
+from drafters.registry import build_drafter, check_fits
 
 
 class PEagleProposer(EagleProposer):
@@ -39,12 +38,6 @@ class PEagleProposer(EagleProposer):
         depth = min(self.depth, self.drafter.config.depth) if self.depth is not None else None
         expander = lambda _, draws: rows_expander(rows, self._to_target, sampling, draws, self.generator)  # noqa: E731
         return build_tree(self.tree, pending, expander, sampled=not sampling.greedy, chain_depth=depth)
-
-
-def peagle_proposer_from_checkpoint(ckpt, target, tree_spec, *, seed: int = 0) -> PEagleProposer:
-    check_target(ckpt, target, other_weights="warn")
-    config = drafter_config("peagle", ckpt.config, ckpt.path)
-    return peagle_proposer(config, ckpt.state_dict, target, tree_spec, ckpt.path, seed=seed)
 
 
 def peagle_proposer(config: PEagleConfig, state: dict, target, tree_spec, where, *, seed: int = 0) -> PEagleProposer:
