@@ -96,8 +96,8 @@ def target_features(model, ids, layers):
 
 # Test tiers: `pytest -m "not slow"` is the inner loop (under two minutes on one core); CI runs everything.
 # Slow = marked `slow` by hand (subprocesses, training runs end to end, distribution checks with many samples), or
-# needing a real target, llama.cpp or the consumers' venv, or a module whose every test starts processes.
-SLOW_MARKERS = ("real", "llama_cpp", "consumers")
+# needing a real target, llama.cpp, the consumers' or a peer's venv, or a module whose every test starts processes.
+SLOW_MARKERS = ("real", "llama_cpp", "consumers", "peers")
 SLOW_MODULES = ("test_distributed",)
 
 

@@ -6,6 +6,8 @@
     drafters/decode/       trees, decoder, sampling, proposers, benches: + drafters/decode, drafters/export,
                            drafters/engines
     drafters/training/     recipes, data, loop, objectives, feature store: anything in drafters
+    drafters/peers/        other trainers (speculators, SpecForge) driven as programs from their own venvs, for
+                           eval/peers.py: + drafters/training (our feature store), drafters/peers
     train/, eval/          entry scripts: anything in drafters, never each other
 
 and no module imports another that (directly or not) imports it back. A drafter family's modules (drafters/<family>.py
@@ -31,7 +33,8 @@ ALLOWED = {
     "export": {"core", "engines", "export"},
     "decode": {"core", "engines", "decode", "export"},
     "training": {"core", "engines", "export", "decode", "training"},
-    "scripts": {"core", "engines", "export", "decode", "training"},
+    "peers": {"core", "training", "peers"},
+    "scripts": {"core", "engines", "export", "decode", "training", "peers"},
 }
 
 

@@ -1,0 +1,322 @@
+"""Our trainer, speculators' and SpecForge's side by side on the same work: one feature capture, matched settings
+and each trainer's own defaults, measured the same way.
+
+    python eval/peers.py --out outputs/peers/smollm2 --rows 150                  # every trainer, matched settings
+    python eval/peers.py --out outputs/peers/smollm2 --rows 150 --settings matched defaults --seeds 0 1
+    python eval/peers.py --out outputs/peers/smollm2 --report report/peers/smollm2.md   # the table again, no work
+
+Stages, each resumable (a rerun skips what is finished and retries what failed, so an interrupted run continues
+where it stopped):
+  target    the target as a Hugging Face directory (`--out`/target), which the peers load.
+  capture   ONE feature capture for everyone: train/features.py writes our store (token ids, loss masks, the fused
+            aux layers [2, L//2, L-3] and the final-normed last hidden state) over the first --rows usable rows of
+            --data; our offline run reads it, each peer gets it converted to its own offline format
+            (drafters/peers/<peer>.py `convert`). Every trainer trains on all of its rows: there is no
+            held-out split, so none spends CPU time on an evaluation the others skip.
+  install   each peer in a virtual environment of its own (`install`: torch 2.13.0 CPU first, the peer pinned,
+            the CPU patches of drafters/peers/patches applied once, each named with its reason).
+  train     each (trainer, settings, seed) as a subprocess, measured from outside by wait4: user and system CPU
+            seconds, wall, peak RSS, minor page faults. Tokens per CPU-second = the training rows' tokens (the same
+            number for every trainer) / (user + system), so startup and feature loading count for all alike.
+  evaluate  every trainer's drafter decoded by OUR decoder (eval/tau.py: the peers' output directories load
+            through drafters.export.eagle3_reader, ours from its checkpoint), MT-bench, chain of --chain,
+            temperature 0: tau and per-depth acceptance.
+
+Settings:
+  matched   EAGLE-3, 1 layer, training-time test 3 steps at weight 0.8^i, draft vocabulary 16,384, AdamW lr 1e-3
+            cosine without warm-up, bf16 autocast, batch 1, 1 epoch, max length 512 (MATCHED).
+  defaults  what a user of each trainer gets: only the data, target, output, epochs, seed and threads are set,
+            and what a CPU run needs (each adapter's DEFAULTS says which values those are). Ours: the recipe
+            recipes/eagle3_smollm2.yaml as shipped.
+
+A trainer that fails to install, train or load gets its row with the reason in one sentence; the others still report.
+The peers never import drafters (and this script never imports them): files are the interface.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("speculators", "specforge")
+OURS = ("drafters-offline", "drafters-online")
+TRAINERS = OURS + PEERS
+
+# The matched settings every trainer is given (the adapters translate them into their own flags).
+MATCHED = {"num_layers": 1, "ttt_steps": 3, "step_weight": 0.8, "draft_vocab": 16384, "lr": 1e-3,
+           "schedule": "cosine", "warmup_steps": 0, "dtype": "bfloat16", "batch_size": 1, "epochs": 1,
+           "max_length": 512}
+
+
+def our_overrides(kind: str, settings: dict) -> list[str]:
+    """Our trainer's recipe overrides for `kind` (the same numbers the adapters receive)."""
+    fixed = ["data.eval_rows=0", f"epochs={settings['epochs']}", f"seed={settings['seed']}", f"threads={settings['threads']}",
+             f"data.max_length={settings['max_length']}", "max_steps=null"]
+    if kind == "defaults":
+        return fixed
+    return fixed + [
+        "eagle3.num_layers=1", f"eagle3.ttt_steps={settings['ttt_steps']}",
+        f"eagle3.step_weight={settings['step_weight']}", f"draft_vocab_size={settings['draft_vocab']}",
+        "draft_vocab_coverage=null", "optim.name=adamw", f"optim.lr={settings['lr']}",
+        f"optim.schedule={settings['schedule']}", f"optim.warmup_steps={settings['warmup_steps']}",
+        f"batch_size={settings['batch_size']}", "grad_accum=1"]
+
+
+@dataclass
+class Measured:
+    """One subprocess, measured from outside (os.wait4's rusage covers it and every descendant it waited for)."""
+    returncode: int
+    wall_s: float
+    user_s: float
+    system_s: float
+    max_rss_bytes: int
+    minor_faults: int
+    log: str
+
+    @property
+    def cpu_s(self) -> float:
+        return self.user_s + self.system_s
+
+
+def run_measured(command: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT) -> Measured:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                   env={**os.environ, **(env or {})})
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return Measured(process.returncode, time.perf_counter() - start, usage.ru_utime, usage.ru_stime,
+                    usage.ru_maxrss * 1024, usage.ru_minflt, str(log))
+
+
+def last_lines(path: str, n: int = 3) -> str:
+    lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(lines[-n:])[-400:]
+
+
+def load_adapter(name: str):
+    """drafters/peers/<name>.py: install, convert, command, exported (drafters/peers/__init__.py)."""
+    return importlib.import_module(f"drafters.peers.{name}")
+
+
+def write_json(path: Path, value) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value, indent=2) + "\n")
+    temporary.replace(path)
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+def save_target(name: str, out: Path) -> Path:
+    """The target as an HF directory (safetensors + config + tokenizer): what the peers load."""
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from drafters.files import move_dir_into_place
+    from drafters.targets import load_target
+
+    target = load_target(name, dtype="float32")
+    partial = out.with_name(out.name + ".partial")
+    target.model.save_pretrained(partial)
+    target.tokenizer.save_pretrained(partial)
+    move_dir_into_place(partial, out, "target")
+    return out
+
+
+def capture(args, out: Path) -> Path:
+    """Our features store over the first --rows rows (train/features.py resumes a partial one)."""
+    store = out / "store"
+    if (store / "index.json").exists() and json.loads((store / "index.json").read_text()).get("complete"):
+        return store
+    command = [sys.executable, "train/features.py", args.recipe, f"target={args.target}", f"data.path={args.data}",
+               f"data.limit={args.rows}", "data.eval_rows=0", f"data.max_length={MATCHED['max_length']}",
+               f"features.dir={store}",
+               f"features.dtype={args.feature_dtype}", f"threads={args.threads}"]
+    measured = run_measured(command, out / "logs" / "capture.log", env=threads_env(args.threads))
+    if measured.returncode:
+        raise SystemExit(f"peers: the feature capture failed ({last_lines(measured.log)}); see {measured.log}")
+    write_json(out / "capture.json", asdict(measured))
+    return store
+
+
+def training_rows(store: Path) -> tuple[list[int], int, int]:
+    """The rows every trainer trains on: all of the store's (no held-out rows: the comparison's measure of quality
+    is the MT-bench evaluation, and no trainer spends CPU time on an evaluation the others skip) -> (data rows,
+    tokens, supervised tokens)."""
+    from safetensors import safe_open
+
+    index = json.loads((store / "index.json").read_text())
+    rows, tokens, supervised = [], 0, 0
+    for name in sorted(index["shards"]):
+        with safe_open(store / name, framework="pt") as f:
+            rows += f.get_tensor("rows").tolist()
+            tokens += f.get_tensor("input_ids").numel()
+            supervised += int(f.get_tensor("loss_mask").sum())
+    return sorted(set(rows)), tokens, supervised
+
+
+def check_same_work(args) -> None:
+    """One --out holds one piece of work: a rerun with another target, data or row count would mix stores."""
+    work = {"target": args.target, "data": str(args.data), "rows": args.rows, "recipe": args.recipe,
+            "feature_dtype": args.feature_dtype}
+    path = args.out / "work.json"
+    if path.exists():
+        before = json.loads(path.read_text())
+        changed = [f"--{k} {before[k]} (now {work[k]})" for k in work if before.get(k) != work[k]]
+        if changed:
+            raise SystemExit(f"peers: {args.out} holds the work of {', '.join(changed)}; pass the same options to "
+                             "resume it, or another --out for new work")
+    else:
+        write_json(path, work)
+
+
+def threads_env(threads: int) -> dict:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: str, seed: int) -> dict:
+    """One training run -> its row (measurement, or the reason it has none). Skipped when its result exists."""
+    name = f"{trainer}-{kind}-s{seed}"
+    run_dir = out / "runs" / name
+    result_path = run_dir / "train.json"
+    if result_path.exists():
+        done = json.loads(result_path.read_text())
+        if "error" not in done:  # a failed run is tried again
+            return done
+    settings = {**MATCHED, "kind": kind, "seed": seed, "threads": args.threads, "draft_vocab": args.draft_vocab}
+    row = {"trainer": trainer, "settings": kind, "seed": seed}
+    try:
+        if trainer in OURS:
+            command = [sys.executable, "train/train.py", args.recipe, f"target={args.target}", f"data.path={args.data}",
+                       f"data.limit={args.rows}", f"output_dir={run_dir / 'drafter'}",
+                       *our_overrides(kind, settings)]
+            if trainer == "drafters-offline":
+                command += [f"features.dir={store}", f"features.dtype={args.feature_dtype}"]
+            env, drafter, fmt = threads_env(args.threads), run_dir / "drafter" / "checkpoint-final", "ours"
+        else:
+            adapter = load_adapter(trainer)
+            python = adapter.install(ROOT)
+            data = run_dir / "data"
+            # matched: each peer scores exactly our labels (its loss-mask convention differs: drafters/peers/*.py);
+            # defaults: our mask as it is, read by the peer's own convention, as its own capture would be
+            adapter.convert(store, data, rows=training_rows(store)[0], labels_as_ours=kind == "matched")
+            if kind == "defaults":
+                settings["max_length"] = None  # the peer's own sequence length / packing
+            elif hasattr(adapter, "write_vocab_mapping"):  # our draft vocabulary, not one counted on its shifted mask
+                settings["vocab_mapping"] = adapter.write_vocab_mapping(store, run_dir / "vocab_mapping.pt",
+                                                                        settings["draft_vocab"], training_rows(store)[0])
+            command, env = adapter.command(python, data, target_dir, run_dir / "out", settings)
+            env = {**threads_env(args.threads), **env}
+            drafter, fmt = None, None
+        measured = run_measured(command, run_dir / "train.log", env=env)
+        row.update(asdict(measured), cpu_s=measured.cpu_s)
+        if measured.returncode:
+            row["error"] = f"training exited {measured.returncode}: {last_lines(measured.log)}"
+        elif drafter is None:
+            drafter, fmt = adapter.exported(run_dir / "out")
+        row["drafter"], row["format"] = (str(drafter), fmt) if drafter else (None, None)
+    except Exception as error:  # a peer that cannot install or convert: its row says why, the others still run
+        row["error"] = f"{type(error).__name__}: {error}"[:400]
+    write_json(result_path, row)
+    return row
+
+
+def evaluate(args, out: Path, row: dict) -> dict:
+    """MT-bench tau and per-depth acceptance by our decoder. Skipped when its result exists."""
+    if row.get("error") or not row.get("drafter"):
+        return row
+    path = out / "runs" / f"{row['trainer']}-{row['settings']}-s{row['seed']}" / "bench.json"
+    if not path.exists():
+        command = [sys.executable, "eval/tau.py", "--target", args.target, "--proposer", row["drafter"],
+                   "--bench", args.bench, "--limit", str(args.bench_limit), "--tree", f"chain:{args.chain}",
+                   "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
+                   "--no-baseline", "--json", str(path)]
+        measured = run_measured(command, path.with_suffix(".log"), env=threads_env(args.threads))
+        if measured.returncode or not path.exists():
+            row["error"] = f"our decoder could not measure it: {last_lines(measured.log)}"
+            return row
+    result = json.loads(path.read_text())
+    row.update(tau=result["tau"], per_depth_acceptance=result["per_depth_acceptance"], eval_json=str(path))
+    return row
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+def table(rows: list[dict], tokens: int) -> str:
+    lines = ["| trainer | settings | seed | tokens / CPU-s | wall s | CPU s (sys %) | peak RSS GiB | minor faults "
+             "| tau | first draft |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | failed: {r['error']} |||||||")
+            continue
+        lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | {tokens / r['cpu_s']:.0f} | "
+                     f"{r['wall_s']:.0f} | {r['cpu_s']:.0f} ({100 * r['system_s'] / r['cpu_s']:.0f}%) | "
+                     f"{r['max_rss_bytes'] / 2**30:.2f} | {r['minor_faults'] / 1e6:.1f}M | "
+                     f"{r['tau']:.3f} | {r['per_depth_acceptance'][0]:.3f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="working directory (resumable)")
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--data", default="recipes/data/smollm2_general.jsonl")
+    p.add_argument("--recipe", default="recipes/eagle3_smollm2.yaml",
+                   help="our trainer's recipe (the defaults row runs it as it is; matched overrides it)")
+    p.add_argument("--bench", default="mt_bench", help="what our decoder measures: mt_bench or a JSONL file")
+    p.add_argument("--draft-vocab", type=int, default=MATCHED["draft_vocab"])
+    p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the capture's storage (float32: our offline and online runs train bit for bit alike)")
+    p.add_argument("--rows", type=int, default=150, help="train on the first N usable rows of --data")
+    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    p.add_argument("--settings", nargs="+", default=["matched"], choices=["matched", "defaults"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--threads", type=int, default=1, help="per trainer; trainers run one after another")
+    p.add_argument("--bench-limit", type=int, default=10, help="first N MT-bench questions (both turns)")
+    p.add_argument("--chain", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="per turn")
+    p.add_argument("--report", type=Path, default=None, help="also write the table here (markdown)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    check_same_work(args)
+    target_dir = save_target(args.target, args.out / "target")
+    store = capture(args, args.out)
+    rows, tokens, supervised = training_rows(store)
+    print(f"peers: {len(rows)} training rows, {tokens} tokens ({supervised} supervised), same for every trainer")
+    results = []
+    for seed in args.seeds:
+        for kind in args.settings:
+            for trainer in args.trainers:
+                row = evaluate(args, args.out, train(args, args.out, store, target_dir, trainer, kind, seed))
+                results.append(row)
+                print(table([row], tokens).splitlines()[-1], flush=True)
+    text = (f"{len(rows)} training rows of {args.data}, {tokens} tokens ({supervised} supervised); {args.bench}, "
+            f"first {args.bench_limit} questions, all turns, {args.max_new_tokens} tokens a turn, chain of {args.chain}, "
+            f"temperature 0; {args.threads} thread(s) per trainer.\n\n{table(results, tokens)}\n")
+    write_json(args.out / "peers.json", {"rows": len(rows), "tokens": tokens, "supervised": supervised,
+                                          "results": results})
+    print(text)
+    if args.report:
+        from drafters.files import write_text_atomic
+        write_text_atomic(args.report, text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
