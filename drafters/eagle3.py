@@ -334,7 +334,11 @@ class Eagle3Drafter(nn.Module):
                 positions = torch.arange(len(cache), len(cache) + input_ids.shape[1], device=input_ids.device)[None]
             backbone = partial(backbone, key_positions=cache.key_positions(positions))
         out = cache.extend(backbone, input_ids.shape[1], input_ids.device, positions, mask)
-        return out, self.compute_logits(out)
+        return out, self.draft_logits(out)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """What drafting (prefill / step) ranks: the full head's logits (B, T, Vd). EAGLE-4 overrides it."""
+        return self.compute_logits(hidden)
 
     def topk_tokens(self, logits: Tensor, k: int = 1) -> tuple[Tensor, Tensor]:
         """logits (..., Vd) -> (log-probs (..., k), TARGET ids (..., k)) via target = d + d2t[d]."""

@@ -26,6 +26,7 @@ from drafters.draft_vocab import DraftVocab
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.eagle4 import Eagle4Config, Eagle4Drafter
 from drafters.medusa import MedusaConfig, MedusaHeads
 from drafters.peagle import PEagleConfig, PEagleDrafter
 
@@ -78,6 +79,7 @@ FAMILIES: dict[str, Family] = {
     "dflash": Family("DFlash", DFlashConfig, DFlashDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
     "dspark": Family("DSpark", DSparkConfig, DSparkDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
     "peagle": Family("P-EAGLE", PEagleConfig, PEagleDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
+    "eagle4": Family("EAGLE-4", Eagle4Config, Eagle4Drafter, _ROTARY, _aux_layers_exist, draft_vocab=True),
 }
 
 

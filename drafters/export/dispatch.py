@@ -14,7 +14,8 @@ llama.cpp  a GGUF drafter for llama.cpp (--spec-type draft-eagle3 / draft-dflash
 A dflash checkpoint exports to sglang (SGLang's DFlashDraftModel) and vllm (speculators' `dflash`) in the
 DFlash layouts instead (writer and independent reader: drafters.export.dflash); a dspark checkpoint to vllm
 (speculators' `dspark`, also what llama.cpp's converter reads) and llama.cpp; a peagle checkpoint to vllm
-(speculators' `peagle`: drafters.export.peagle).
+(speculators' `peagle`: drafters.export.peagle); an eagle4 checkpoint to vllm (speculators' layout plus the candidate
+head, LlamaForCausalLMEagle4: drafters.export.eagle4), and never to sglang or llama.cpp (REFUSED: no candidate head).
 
 
 Knows nothing about training, targets' weights or decoding. Every format refuses, before anything
@@ -37,6 +38,7 @@ from drafters.export.common import (ExportError, ExportResult, cast_floats, chec
 from drafters.export.dflash import export_dflash
 from drafters.export.eagle1 import export_eagle1
 from drafters.export.eagle3 import preflight, write_eagle3
+from drafters.export.eagle4 import export_eagle4
 from drafters.export.llama_cpp import export_llama_cpp
 from drafters.export.medusa import export_medusa
 from drafters.export.peagle import export_peagle
@@ -45,7 +47,7 @@ from drafters.registry import FAMILIES
 FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp")
 FORMAT_HOLDS = {
     "sglang": "sglang holds EAGLE-3 and DFlash drafters",
-    "vllm": "vllm holds EAGLE-3, DFlash, DSpark and P-EAGLE drafters",
+    "vllm": "vllm holds EAGLE-3, DFlash, DSpark, P-EAGLE and EAGLE-4 drafters",
     "llama.cpp": "llama.cpp serves EAGLE-3, DFlash and DSpark drafters (--spec-type draft-eagle3 / draft-dflash / "
                  "draft-dspark)",
     "medusa": "the Medusa layout holds Medusa heads only; Blockwise heads share one hidden layer d -> K*f -> K*d "
@@ -62,6 +64,8 @@ def export_checkpoint(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
     family = _family(ckpt_dir)
+    if (family, fmt) in REFUSED:
+        raise ExportError(REFUSED[family, fmt])
     # an unreadable drafter.json (family None) goes on to load_source, which says what is wrong with it
     writer = EXPORTERS.get((family, fmt), _eagle3_layout if fmt == "native" or family is None else None)
     if writer is None:
@@ -118,9 +122,19 @@ EXPORTERS = {
     ("dflash", "sglang"): export_dflash, ("dflash", "vllm"): export_dflash, ("dflash", "llama.cpp"): _llama_cpp,
     ("dspark", "vllm"): export_dflash, ("dspark", "llama.cpp"): _llama_cpp,  # speculators' dspark layout
     ("peagle", "vllm"): export_peagle,  # speculators' peagle layout
+    ("eagle4", "vllm"): export_eagle4,  # speculators' layout + the candidate head (LlamaForCausalLMEagle4)
     ("eagle1", "eagle1"): _eagle1,
     ("medusa", "medusa"): _medusa,
     **{(family, "native"): _eagle3_layout for family in FAMILIES},
+}
+# (family, format) an engine would load without what the family drafts with: one sentence each, before any work
+REFUSED = {
+    ("eagle4", "sglang"): "an EAGLE-4 drafter cannot be exported to sglang: SGLang's LlamaForCausalLMEagle3 has no "
+                          "candidate head, so it would draft with the full head and drop the rank-r factors; use "
+                          "--format vllm (LlamaForCausalLMEagle4) or native",
+    ("eagle4", "llama.cpp"): "an EAGLE-4 drafter cannot be exported to llama.cpp: its EAGLE-3 graph has no candidate "
+                             "head, so it would draft with the full head and drop the rank-r factors; use --format "
+                             "vllm (LlamaForCausalLMEagle4) or native",
 }
 # keyed as drafters.registry.FAMILIES (tests/test_families.py): the formats each family's checkpoints export to
 EXPORT_FORMATS = {family: tuple(fmt for (f, fmt) in EXPORTERS if f == family) for family in FAMILIES}

@@ -145,10 +145,13 @@ def build_eagle3(recipe: Eagle3Recipe, target: Target, train_rows, vocab: DraftV
     return Eagle3Objective(drafter, TTTOptions.of(recipe.eagle3))
 
 
-def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab) -> Eagle3Drafter:
-    config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers,
-                                             num_layers=recipe.eagle3.num_layers, **recipe.norms())
-    drafter = Eagle3Drafter(config, vocab).to(target.device)
+def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab, config: Eagle3Config | None = None,
+                         module: type = Eagle3Drafter) -> Eagle3Drafter:
+    # config / module: a family built on EAGLE-3 (EAGLE-4) hands its own; the head and init_layer start as EAGLE-3's
+    if config is None:
+        config = Eagle3Config.from_target_config(target.config, vocab.size, recipe.layers,
+                                                 num_layers=recipe.eagle3.num_layers, **recipe.norms())
+    drafter = module(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
     init_layer = recipe.eagle3.init_layer
     if init_layer is not None:

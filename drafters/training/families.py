@@ -35,6 +35,7 @@ from drafters.training.eagle3 import (
     format_eval,
     target_inputs_fn,
 )
+from drafters.training.eagle4 import Eagle4Recipe, Eagle4Run, build_eagle4, evaluate_eagle4, format_eagle4_eval
 from drafters.training.features import FeatureStore, offline_batches, offline_loader
 from drafters.training.heads import (
     BlockwiseRecipe,
@@ -114,6 +115,11 @@ TRAINING_FAMILIES: dict[str, TrainingFamily] = {
                              **_FUSED),
     "peagle": TrainingFamily("peagle", recipe=PEagleRecipe, build=build_peagle, loss_parts="per depth",
                              evaluate=evaluate_peagle, describe=format_peagle_eval, **_FUSED),
+    # EAGLE-3's training-time test (stage 1), then the candidate head alone (stage 2, Eagle4Run); online only
+    "eagle4": TrainingFamily("eagle4", recipe=Eagle4Recipe, build=build_eagle4, loss_parts="per TTT step",
+                             run=Eagle4Run, inputs=target_inputs_fn, draft_vocab=True, evaluate=evaluate_eagle4,
+                             describe=format_eagle4_eval, init_layer=lambda recipe: recipe.eagle3.init_layer,
+                             grow_layers=lambda recipe: recipe.eagle3.grow_layers),
     "eagle1": TrainingFamily("eagle1", recipe=Eagle1Recipe, build=build_eagle1, loss_parts="feature, token",
                              run=FeatureRun, store_layout="eagle1", layer_spec=eagle1_layer_spec,
                              inputs=eagle1_inputs_fn, evaluate=evaluate_eagle1, describe=format_eval),

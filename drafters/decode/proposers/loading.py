@@ -34,6 +34,7 @@ from drafters.decode.proposers.draft_model import DraftModelProposer
 from drafters.decode.proposers.dspark import DSparkProposer, dspark_export_loader, dspark_proposer
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle3_proposer
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer
+from drafters.decode.proposers.eagle4 import eagle4_export_loader, eagle4_proposer
 from drafters.decode.proposers.heads import calibrated_tree, heads_proposer, medusa_export_proposer
 from drafters.decode.proposers.hybrid import HybridProposer
 from drafters.decode.proposers.peagle import peagle_export_loader, peagle_proposer
@@ -56,6 +57,7 @@ FAMILY_PROPOSERS: dict[str, Callable] = {
     "dflash": dflash_proposer,
     "dspark": dspark_proposer,
     "peagle": peagle_proposer,
+    "eagle4": eagle4_proposer,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before. EAGLE-3
@@ -68,6 +70,7 @@ CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
     "vllm-dflash": (lambda c: c.get("speculators_model_type") == "dflash", dflash_export_loader("vllm")),
     "vllm-dspark": (lambda c: c.get("speculators_model_type") == "dspark", dspark_export_loader),
     "vllm-peagle": (lambda c: c.get("speculators_model_type") == "peagle", peagle_export_loader),
+    "vllm-eagle4": (lambda c: c.get("speculators_model_type") == "eagle4", eagle4_export_loader),
     "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
     # the EAGLE repository's configs may leave `bias` out (its loader then builds fc with one)
     "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("architectures") in (
