@@ -287,7 +287,7 @@ def test_resumed_run_draws_the_same_chains_and_ends_with_the_same_weights(traine
     ("peagle.depth=1", r"peagle.depth=1 must be an integer in \[2, 64\]"),
     ("peagle.down_sample_ratio=0", r"peagle.down_sample_ratio=0.0 must be in \(0, 1\]"),
     ("peagle.eval_chains=0", "peagle.eval_chains=0 must be >= 1"),
-    ("ttt_steps=0", "ttt_steps=0 is read by drafter: eagle3 only, not peagle"),  # P-EAGLE has no unroll
+    ("ttt_steps=0", "ttt_steps=0 is read by drafter: eagle3, eagle4 only, not peagle"),  # P-EAGLE has no unroll
 ])
 def test_bad_peagle_values_fail_clearly(trainer, tmp_path, override, message):
     with pytest.raises(RecipeError, match=message):

@@ -77,19 +77,19 @@ def test_all_problems_are_named_at_once():
 @pytest.mark.parametrize("recipe, override, message", [
     ("recipes/eagle3_tiny.yaml", "tv_weight=-0.5", "tv_weight=-0.5 must be >= 0"),
     # a family that does not read the field refuses it rather than training without it
-    ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3 only, not eagle1"),
-    ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3 only, not dflash"),
-    ("recipes/dflash_tiny.yaml", "init_layer=-1", "init_layer=-1 is read by drafter: eagle3 only, not dflash"),
-    ("recipes/dflash_tiny.yaml", "divergence=lk", "divergence=lk is read by drafter: eagle3 only, not dflash"),
+    ("recipes/eagle1_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3, eagle4 only, not eagle1"),
+    ("recipes/dflash_tiny.yaml", "tv_weight=1", "tv_weight=1 is read by drafter: eagle3, eagle4 only, not dflash"),
+    ("recipes/dflash_tiny.yaml", "init_layer=-1", "init_layer=-1 is read by drafter: eagle3, eagle4 only, not dflash"),
+    ("recipes/dflash_tiny.yaml", "divergence=lk", "divergence=lk is read by drafter: eagle3, eagle4 only, not dflash"),
     ("recipes/eagle3_tiny.yaml", "divergence=l2", "divergence='l2' is not a loss EAGLE-3 trains with: use one of kl, "
      "reverse_kl, jsd, lk, argmax"),
-    ("recipes/eagle1_tiny.yaml", "eval_ttt_steps=3", "eval_ttt_steps=3 is read by drafter: eagle3 only, not eagle1"),
+    ("recipes/eagle1_tiny.yaml", "eval_ttt_steps=3", "eval_ttt_steps=3 is read by drafter: eagle3, eagle4 only, not eagle1"),
     ("recipes/medusa_tiny.yaml", "blockwise.loss=sample_one",
      "blockwise.loss=sample_one is read by drafter: blockwise only, not medusa"),
-    ("recipes/dflash_tiny.yaml", "eagle3.tv_weight=1", "eagle3.tv_weight=1 is read by drafter: eagle3 only, not "
+    ("recipes/dflash_tiny.yaml", "eagle3.tv_weight=1", "eagle3.tv_weight=1 is read by drafter: eagle3, eagle4 only, not "
      "dflash"),
     ("recipes/eagle3_tiny.yaml", "drafter=eagel3", "drafter='eagel3' is not a family this trainer trains; choose one "
-     "of eagle3, dflash, dspark, peagle, eagle1, medusa, blockwise (did you mean 'eagle3'?)"),
+     "of eagle3, dflash, dspark, peagle, eagle4, eagle1, medusa, blockwise (did you mean 'eagle3'?)"),
 ])
 def test_another_familys_field_is_refused_where_it_would_be_ignored(recipe, override, message):
     with pytest.raises(RecipeError, match=re.escape(message)):
@@ -102,7 +102,7 @@ def test_another_familys_field_at_its_default_is_accepted():
     # training a setting DFlash never reads
     recipe = load_recipe(["recipes/dflash_tiny.yaml", "eagle3.ttt_steps=7", "norm_before_fc=false"])
     assert recipe.drafter == "dflash" and not hasattr(recipe, "eagle3")
-    with pytest.raises(RecipeError, match="ttt_steps=3 is read by drafter: eagle3 only, not dflash"):
+    with pytest.raises(RecipeError, match="ttt_steps=3 is read by drafter: eagle3, eagle4 only, not dflash"):
         load_recipe(["recipes/dflash_tiny.yaml", "ttt_steps=3"])
 
 
@@ -241,3 +241,4 @@ def test_the_shipped_smollm2_data_answers_the_shipped_prompts_and_no_evaluation_
     benches = eval_prompts()
     assert not benches.missing, f"install the evaluation benches (bash .ci/setup): {benches.missing}"
     assert find((p["id"], [p["prompt"]]) for p in prompts) == []
+
