@@ -13,6 +13,7 @@ and this one. tests/test_families.py checks that every table names the same fami
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -45,12 +46,14 @@ from drafters.training.heads import (
     build_medusa,
     check_heads_have_labels,
 )
+from drafters.errors import Stopped
 from drafters.training.loop import FeatureRun, Summary, fit, start_run
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
-from drafters.training.recipe import RecipeError, apply_override, read_recipe
+from drafters.training.recipe import RecipeError, apply_override, read_recipe, to_dict
 from drafters.training.resume import (
     field_default,
+    recipe_diff,
     init_from_gone,
     initial_checkpoint,
     initial_vocab,
@@ -58,6 +61,15 @@ from drafters.training.resume import (
     load_resumed_weights,
 )
 from drafters.training.schema import deprecation, load_train_recipe, move_old_keys, moved_override
+from drafters.training.stages import (
+    Stage,
+    check_output_dir,
+    finished,
+    link_final,
+    missing_input,
+    plan_stages,
+    stage_argv,
+)
 
 
 @dataclass(frozen=True)
@@ -143,7 +155,23 @@ def load_recipe(argv: list[str], default: str = DEFAULT_FAMILY):
                           f"{', '.join(TRAINING_FAMILIES)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     foreign, dropped = drop_foreign(raw, name)
     overrides = [o for o in overrides if o.partition("=")[0].strip().split(".")[0] not in dropped]
-    return load_train_recipe([argv[0], *overrides], TRAINING_FAMILIES[name].recipe, lambda recipe: foreign, raw=raw)
+    recipe = load_train_recipe([argv[0], *overrides], TRAINING_FAMILIES[name].recipe, lambda recipe: foreign, raw=raw)
+    if recipe.stages is not None:  # every stage's keys and values checked here, before any stage trains
+        stage_recipes(argv, recipe, default)
+    return recipe
+
+
+def stage_recipes(argv: list[str], recipe, default: str = DEFAULT_FAMILY) -> list[tuple[Stage, object]]:
+    """recipe.stages (drafters.training.stages) -> (stage, its recipe) in order; a stage's unknown key or wrong
+    value is refused naming the stage."""
+    stages = plan_stages(argv[0], recipe.stages, recipe.output_dir, type(recipe))
+    planned = []
+    for previous, stage in zip([None, *stages], stages):
+        try:
+            planned.append((stage, load_recipe(stage_argv(argv, stage, previous), default)))
+        except RecipeError as err:
+            raise RecipeError(f"{argv[0]}: {stage.label}: {err}") from None
+    return planned
 
 
 def read_moved(argv: list[str]) -> tuple[dict, list[str]]:
@@ -201,7 +229,64 @@ def train_main(argv: list[str], script: str, default: str = DEFAULT_FAMILY) -> S
     """The training entry point (train/train.py, and its aliases train/eagle.py and train/heads.py)."""
     if not argv:
         raise SystemExit(f"usage: python {script} RECIPE.yaml [key=value ...]   (any family: the recipe's `drafter`)")
-    return train(load_recipe(argv, default))
+    recipe = load_recipe(argv, default)
+    return train(recipe) if recipe.stages is None else train_stages(argv, recipe, default)
+
+
+def train_stages(argv: list[str], recipe, default: str = DEFAULT_FAMILY) -> Summary | None:
+    """A recipe's stages (drafters.training.stages), trained in order into output_dir/stage-<i>-<name>/, each from
+    the previous one's checkpoint-final; finished stages are skipped, an interrupted one resumes, and
+    output_dir/checkpoint-final ends as a link to the last stage's. Every stage's input is checked before the first
+    trains. -> the last trained stage's Summary (None when every stage had finished before)."""
+    if recipe.overwrite_output_dir:
+        raise RecipeError("overwrite_output_dir=true with stages: a recipe with stages continues its stages when run "
+                          "again; to train a stage again, remove its folder (output_dir/stage-<i>-<name>) and those "
+                          "of the stages after it")
+    check_output_dir(recipe.output_dir)
+    planned = stage_recipes(argv, recipe, default)
+    offline = TRAINING_FAMILIES[recipe.drafter].offline
+    for stage, stage_recipe in planned:  # before any work: hours of early stages never end on a later one's input
+        problem = check_finished_stage(stage, stage_recipe) if finished(stage) else \
+            missing_input(argv, stage, stage_recipe, offline)
+        if problem:
+            raise RecipeError(problem)
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda line: None)
+    summary = None
+    for stage, stage_recipe in planned:
+        if finished(stage):
+            say(f"{stage.label}: finished ({stage.final}), skipped")
+            continue
+        say(f"{stage.label}: training into {stage.directory}"
+            + (f" from {stage_recipe.init_from}" if stage_recipe.init_from else ""))
+        summary = None  # the previous stage's target and drafter go before the next stage loads its own
+        summary = train_stage(stage, stage_recipe)
+    link = link_final(recipe.output_dir, planned[-1][0])
+    say(f"stages: {len(planned)} done; {link} -> {planned[-1][0].final}")
+    return summary
+
+
+def train_stage(stage: Stage, recipe) -> Summary:
+    try:
+        return train(recipe, tag=f"{recipe.drafter} stage {stage.index}")
+    except Stopped as err:
+        raise Stopped(f"{stage.label}: {err}; or run the same command again: finished stages are skipped and this "
+                      "one resumes") from None
+    except RecipeError as err:
+        raise type(err)(f"{stage.label}: {err}") from None
+
+
+def check_finished_stage(stage: Stage, recipe) -> str | None:
+    """A finished stage is skipped only when its checkpoint was trained by the stage as the recipe says it now."""
+    saved = json.loads((stage.final / "drafter.json").read_text()).get("extra", {}).get("recipe", {})
+    move_old_keys(saved, type(recipe).moved_keys, str(stage.final))
+    # init_from is the previous stage's checkpoint-final, however output_dir was spelled
+    diff = [line for line in recipe_diff(saved, to_dict(recipe), schema=type(recipe))
+            if not line.startswith("init_from:")]
+    if not diff:
+        return None
+    return (f"{stage.label} finished with another recipe than it has now ({'; '.join(diff[:3])}); remove "
+            f"{stage.directory} and the later stages' folders to train them again with this one, or restore the "
+            "values")
 
 
 def train(recipe, tag: str | None = None) -> Summary:

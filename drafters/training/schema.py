@@ -126,6 +126,10 @@ class TrainRecipe:
     #                                     checkpoint-<step>/final, metrics.jsonl and eval.jsonl first (else refused)
     wandb_project: str | None = None  # also log to Weights & Biases (WANDB_MODE=offline works); null = off
     wandb_name: str | None = None  # the wandb run name; null = wandb's
+    # training passes run in order, each a mapping of `name` and the recipe keys it changes (data.path, epochs,
+    # optim.lr, features.dir, ...), trained into output_dir/stage-<i>-<name>/ from the previous stage's
+    # checkpoint-final, resumable as a whole (drafters.training.stages); null = one run into output_dir
+    stages: list[dict] | None = None
 
     def problems(self) -> list[str]:
         """Every problem with the fields all training scripts share (batching, steps, checkpoints,
