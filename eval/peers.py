@@ -221,7 +221,7 @@ def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: st
             env = {**threads_env(args.threads), **env}
             drafter, fmt = None, None
         measured = run_measured(command, run_dir / "train.log", env=env)
-        row.update(asdict(measured), cpu_s=measured.cpu_s)
+        row.update(asdict(measured), cpu_s=measured.cpu_s, command=" ".join(map(str, command)), env=env)
         if measured.returncode:
             row["error"] = f"training exited {measured.returncode}: {last_lines(measured.log)}"
         elif drafter is None:
