@@ -235,7 +235,7 @@ def test_refuses_other_family_for_engine_formats(tmp_path, target):
                              target=target_info(target),
                              state_dict={"heads.0.weight": torch.ones(2, 2)})
     holds = {"sglang": "sglang holds EAGLE-3 and DFlash drafters",
-             "vllm": "vllm holds EAGLE-3, DFlash, DSpark and P-EAGLE drafters"}
+             "vllm": "vllm holds EAGLE-3, DFlash, DSpark, P-EAGLE and EAGLE-4 drafters"}
     for fmt in ("sglang", "vllm"):
         with pytest.raises(ExportError, match=f"export of a medusa checkpoint to {fmt} is not "
                                               rf"supported \({holds[fmt]}\); use --format medusa or native"):
