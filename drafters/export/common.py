@@ -215,3 +215,13 @@ def describe(result: ExportResult) -> str:
     if result.check is not None:
         lines.append(result.check.summary())
     return "\n".join(lines)
+
+
+def speculators_config(algorithm: str, speculative_tokens: int, verifier: str, architectures) -> dict:
+    """speculators' `speculators_config` block, the same in every family's vllm layout: greedy proposals of
+    `speculative_tokens` tokens, accepted by exact match, against the verifier model vLLM loads beside the drafter."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(architectures)}}

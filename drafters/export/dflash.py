@@ -49,7 +49,8 @@ from drafters.draft_vocab import DraftVocab
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.dtypes import DTYPES
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, decoder_fields, export_dtype,
-                                    export_files, export_target, load_source, refuse_export, state_problems)
+                                    export_files, export_target, load_source, refuse_export, speculators_config,
+                                    state_problems)
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
                                      float_dtype, get_field, int_list, read_json, read_tensors, rebuild)
 
@@ -177,13 +178,7 @@ def vllm_config(c: DFlashConfig, dtype: str, speculative_tokens: int, verifier: 
         "sample_from_anchor": False,  # slot 0 holds the anchor and predicts nothing (speculators' DSpark default
         # is True; llama.cpp reads the flag, and drafts block_size - 1 tokens with it False)
         **markov,
-        "speculators_config": {
-            "algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": speculators_config(algorithm, speculative_tokens, verifier, verifier_architectures),
     }
 
 

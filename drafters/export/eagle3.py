@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from drafters.checkpoint import Checkpoint
 from drafters.eagle3 import NORM_OPTIONS, Eagle3Config
 from drafters.export.common import (CONFIG_FILE, WEIGHTS_FILE, ExportError, decoder_fields, export_target,
-                                    refuse_export, state_problems)
+                                    refuse_export, speculators_config, state_problems)
 from drafters.layers import ENGINE_AUX_LAYERS
 
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
@@ -171,12 +171,5 @@ def vllm_config(c: Eagle3Config, dtype: str, speculative_tokens: int, verifier: 
         **{option: getattr(c, option) for option in (*NORM_OPTIONS, "norm_output")},
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # vLLM: HF index as is
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": speculators_config("eagle3", speculative_tokens, verifier, verifier_architectures),
     }

@@ -31,7 +31,7 @@ from drafters.dtypes import DTYPES
 from drafters.eagle3 import NORM_OPTIONS
 from drafters.eagle4 import Eagle4Config, Eagle4Drafter
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
-                                    load_source, refuse_export, state_problems)
+                                    load_source, refuse_export, speculators_config, state_problems)
 from drafters.export.eagle3 import llama_layer_fields
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
                                      get_field, int_list, read_json, read_tensors, rebuild, rope_fields)
@@ -73,14 +73,8 @@ def export_eagle4(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # HF indices, as EAGLE-3's vllm layout
         "candidate_head": {"rank": c.rank, "num_candidates": c.candidates},
-        "speculators_config": {
-            "algorithm": "eagle4",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier or expected["name"],
-                         "architectures": list(expected.get("architectures") or [])},
-        },
+        "speculators_config": speculators_config("eagle4", tokens, verifier or expected["name"],
+                                                 expected.get("architectures") or []),
     }
     return export_files(out_dir, ckpt_dir, fmt, dtype, config, tensors, WEIGHTS_FILE,
                         lambda payload: check_eagle4_export(payload, target=expected, reference=ckpt), overwrite)
