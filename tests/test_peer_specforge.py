@@ -78,6 +78,9 @@ def test_the_offline_files_hold_the_store_bit_for_bit(store, tmp_path):
         assert torch.equal(f["aux_hidden_state"][0], features)
     # SpecForge zeroes each example's last loss-mask entry: the positions its step 0 counts
     assert counts["supervised"] == sum(sum(mask[:-1]) for _, _, mask, *_ in examples)
+    # each file holds its own example, not the storage of the whole shard it was sliced from
+    for (_, ids, *_), path in zip(examples, sorted((tmp_path / "data").glob("*.ckpt"))):
+        assert path.stat().st_size < 2 * len(ids) * 4 * 64 * 4 + 4096, path
 
 
 def test_rows_pick_examples_by_data_row_and_a_rerun_keeps_the_files(store, tmp_path):
