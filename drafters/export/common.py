@@ -18,6 +18,7 @@ from drafters.dtypes import dtype_name, spellings
 from drafters.errors import UserError
 from drafters.export.reading import check_finite
 from drafters.files import check_writable, move_dir_into_place
+from drafters.layers import ENGINE_AUX_LAYERS
 from drafters.registry import build_drafter, family_of
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -48,6 +49,28 @@ def state_problems(config, state: dict) -> list[str]:
     except (CheckpointError, DraftVocabError) as err:
         return [f"the state dict does not fit its config: {str(err).removeprefix('the state dict: ')}"]
     return []
+
+
+def target_problems(c, target: dict, engines: str | None = "SGLang and vLLM") -> list[str]:
+    """What an EAGLE-style drafter config `c` (its hidden_size, vocab_size, max_position_embeddings, aux_layers)
+    gets wrong about the target facts `target` (export_target). engines: who reads the layout and builds fc for
+    exactly ENGINE_AUX_LAYERS fused layers from the inputs of decoder layers 1..L-1 (HF hidden_states indices
+    [1, L-1]); None for our own native layout, which takes any aux layers in [0, L]."""
+    problems = [f"{key}: drafter config {getattr(c, key)} != target {target[key]} ({target.get('name')!r})"
+                for key in ("max_position_embeddings", "vocab_size", "hidden_size") if getattr(c, key) != target[key]]
+    num_layers = target["num_layers"]
+    low, high = (0, num_layers) if engines is None else (1, num_layers - 1)
+    bad = [i for i in c.aux_layers if not low <= i <= high]
+    if bad:
+        problems.append(f"aux layers {c.aux_layers} (HF hidden_states indices): {bad} outside [{low}, {high}] for "
+                        f"the {num_layers}-layer target"
+                        + ("" if engines is None else "; engines capture only the inputs of decoder layers 1..L-1"))
+    if sorted(set(c.aux_layers)) != list(c.aux_layers):
+        problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, high), the order fc "
+                        "was trained on")
+    if engines is not None and len(c.aux_layers) != ENGINE_AUX_LAYERS:
+        problems.append(f"{len(c.aux_layers)} aux layers: {engines} build fc for exactly {ENGINE_AUX_LAYERS}")
+    return problems
 
 
 def decoder_fields(c, model_type: str, num_layers: int, dtype: str) -> dict:

@@ -38,8 +38,7 @@ from safetensors.torch import save_file
 from drafters.checkpoint import Checkpoint
 from drafters.eagle3 import NORM_OPTIONS, Eagle3Config
 from drafters.export.common import (CONFIG_FILE, WEIGHTS_FILE, ExportError, decoder_fields, export_target,
-                                    refuse_export, speculators_config, state_problems)
-from drafters.layers import ENGINE_AUX_LAYERS
+                                    refuse_export, speculators_config, state_problems, target_problems)
 
 SPECULATORS_VERSION = "0.5.0"  # first speculators release whose Eagle3 config has aux layer ids
 
@@ -71,22 +70,7 @@ def _eagle3_config(ckpt: Checkpoint) -> Eagle3Config:
 
 
 def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
-    problems = []
-    for key in ("max_position_embeddings", "vocab_size", "hidden_size"):
-        if getattr(c, key) != t[key]:
-            problems.append(f"{key}: drafter config {getattr(c, key)} != target {t[key]} "
-                            f"({t.get('name')!r})")
-    num_layers = t["num_layers"]
-    low, high = (0, num_layers) if fmt == "native" else (1, num_layers - 1)
-    bad = [i for i in c.aux_layers if not low <= i <= high]
-    if bad:
-        problems.append(f"aux layers {c.aux_layers} (HF hidden_states indices): {bad} outside "
-                        f"[{low}, {high}] for the {num_layers}-layer target"
-                        + ("" if fmt == "native" else "; engines capture only the inputs of "
-                           "decoder layers 1..L-1"))
-    if sorted(set(c.aux_layers)) != list(c.aux_layers):
-        problems.append(f"aux layers {c.aux_layers} must be distinct and ascending (low, mid, "
-                        "high), the order fc was trained on")
+    problems = target_problems(c, t, None if fmt == "native" else "SGLang and vLLM")
     norms = [name for name in (*NORM_OPTIONS, "norm_output") if getattr(c, name)]
     if fmt == "sglang" and norms:
         problems.append(f"the drafter was trained with {', '.join(norms)}: the sglang layout is written without "
@@ -98,9 +82,6 @@ def _target_problems(c: Eagle3Config, t: dict, fmt: str) -> list[str]:
     if fmt == "sglang" and c.num_hidden_layers > 1:
         problems.append(f"{c.num_hidden_layers} decoder layers: SGLang's LlamaForCausalLMEagle3 builds one; export "
                         "with --format vllm (vLLM's llama_eagle3 stacks num_hidden_layers) or native")
-    if fmt != "native" and len(c.aux_layers) != ENGINE_AUX_LAYERS:
-        problems.append(f"{len(c.aux_layers)} aux layers: SGLang and vLLM build fc for exactly "
-                        f"{ENGINE_AUX_LAYERS}")
     return problems
 
 

@@ -27,11 +27,11 @@ from drafters.checkpoint import Checkpoint
 from drafters.dtypes import DTYPES
 from drafters.eagle3 import NORM_OPTIONS
 from drafters.export.common import (ExportError, ExportResult, check_out_dir, export_dtype, export_files, export_target,
-                                    load_source, refuse_export, speculators_config, state_problems)
+                                    load_source, refuse_export, speculators_config, state_problems, target_problems)
 from drafters.export.eagle3 import llama_layer_fields
 from drafters.export.reading import (CheckReport, ExportCheckError, check_finite, check_layout, compare_with_source,
                                      get_field, int_list, read_json, read_tensors, rebuild, rope_fields)
-from drafters.layers import ENGINE_AUX_LAYERS, DraftKVCache
+from drafters.layers import DraftKVCache
 from drafters.peagle import PEagleConfig, PEagleDrafter
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -88,14 +88,7 @@ def preflight(ckpt: Checkpoint, target) -> tuple[dict, PEagleConfig]:
         c = PEagleConfig(**ckpt.config)
     except (TypeError, ValueError) as err:
         raise ExportError(f"{ckpt.path}: config is not a PEagleConfig ({err})") from None
-    problems = [f"{key}: drafter config {getattr(c, key)} != target {expected.get(key)} ({expected.get('name')!r})"
-                for key in ("hidden_size", "vocab_size", "max_position_embeddings") if getattr(c, key) != expected[key]]
-    num_layers = expected["num_layers"]
-    if any(not 1 <= i <= num_layers - 1 for i in c.aux_layers) or sorted(set(c.aux_layers)) != list(c.aux_layers):
-        problems.append(f"aux layers {c.aux_layers} (HF hidden_states indices): want distinct, ascending, in "
-                        f"[1, {num_layers - 1}] (engines capture the inputs of decoder layers 1..L-1)")
-    if len(c.aux_layers) != ENGINE_AUX_LAYERS:
-        problems.append(f"{len(c.aux_layers)} aux layers: vLLM builds fc for exactly {ENGINE_AUX_LAYERS}")
+    problems = target_problems(c, expected, "vLLM")
     refuse_export(ckpt.path, "vllm", problems + state_problems(c, ckpt.state_dict))
     return expected, c
 
