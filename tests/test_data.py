@@ -263,6 +263,17 @@ def test_collate_right_pads():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
+def test_collate_pads_to_a_multiple_but_not_past_the_cap():
+    examples = [Example([5, 6, 7], [0, 1, 1], 1, "x"), Example([8], [1], 2, "x")]
+    batch = collate(examples, pad_id=0, multiple=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+    assert batch["attention_mask"].sum(1).max() == 3  # the longest row, which the losses' normalisation reads
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert collate(examples, pad_id=0, multiple=8, cap=5)["input_ids"].shape == (2, 5)  # cap: data.max_length
+    assert collate(examples, pad_id=0, multiple=2, cap=2)["input_ids"].shape == (2, 3)  # never shorter than a row
+    assert collate(examples, pad_id=0, multiple=3)["input_ids"].shape == (2, 3)  # already a multiple
+
+
 def test_repeat_mask_drops_answer_tokens_that_end_a_span_an_earlier_answer_token_ended():
     # prompt 1 2 3 | answer 1 2 3 4 5 | prompt 9 | answer 4 5 6 4 5 6 2 3
     ids = [1, 2, 3, 1, 2, 3, 4, 5, 9, 4, 5, 6, 4, 5, 6, 2, 3]

@@ -42,6 +42,18 @@ def test_reproduces_golden_losses(run):
     assert written == summary.losses
 
 
+def test_padding_to_a_multiple_changes_no_loss_and_no_weight(trainer, run, tmp_path):
+    # data.pad_multiple pads every training batch past its longest row (to 32, 64, 96 or 128 tokens here): the
+    # padding is never scored and the positions normalisation counts the unpadded length, so the run is the same
+    summary, output_dir = run
+    padded = trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "data.pad_multiple=32"])
+    assert padded.losses == pytest.approx(summary.losses, rel=1e-5)
+    trained, reference = (load_checkpoint(d / "checkpoint-final", family="eagle3").state_dict
+                          for d in (tmp_path, output_dir))
+    for name, tensor in reference.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_target_weights_unchanged(run):
     summary, _ = run
     fresh, _ = build_tiny_target("tiny-random-llama")
@@ -124,6 +136,7 @@ def test_held_out_depth_is_set_apart_from_the_training_depth(trainer, run, tmp_p
     ("features.dir=somewhere", RecipeError, "features.dir=somewhere: no index.json; write the features first"),
     ("eagle3.ttt_steps=0", RecipeError, "eagle3.ttt_steps=0 must be >= 1"),
     ("draft_vocab_size=0", RecipeError, "draft_vocab_size=0 must be >= 1"),
+    ("data.pad_multiple=0", RecipeError, r"data.pad_multiple=0 must be >= 1 \(1 = pad to the longest row only\)"),
     ("draft_vocab_size=-5", RecipeError, "draft_vocab_size=-5 must be >= 1"),
     ("epochs=null", RecipeError, "set epochs or max_steps"),
     ("eagle3.eval_ttt_steps=0", RecipeError, "eagle3.eval_ttt_steps=0 must be >= 1 or null"),

@@ -103,8 +103,12 @@ class LengthBuckets:
 
 def train_loader(recipe, rows: list[Example], pad: int) -> DataLoader:
     sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
-    return DataLoader(rows, batch_sampler=sampler,
-                      collate_fn=partial(collate, pad_id=pad, drop_repeats=recipe.data.drop_repeats))
+    return DataLoader(rows, batch_sampler=sampler, collate_fn=partial(collate, pad_id=pad, **padding(recipe.data)))
+
+
+def padding(data) -> dict:
+    """collate's keywords for training batches of the recipe's `data` section."""
+    return {"drop_repeats": data.drop_repeats, "multiple": data.pad_multiple, "cap": data.max_length}
 
 
 def length_sorted_batches(rows: list[Example], batch_size: int) -> list[list[Example]]:

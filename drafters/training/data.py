@@ -712,10 +712,14 @@ def repeat_mask(input_ids: list[int], loss_mask: list[int], n: int) -> list[int]
     return kept
 
 
-def collate(examples: list[Example], pad_id: int, drop_repeats: int | None = None) -> dict[str, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int, drop_repeats: int | None = None, multiple: int = 1,
+            cap: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example: input_ids, attention_mask, loss_mask, each (B, T) long; drop_repeats=n
-    drops repeated n-token spans from loss_mask (repeat_mask: training batches of data.drop_repeats)."""
-    length = max(len(example.input_ids) for example in examples)
+    drops repeated n-token spans from loss_mask (repeat_mask: training batches of data.drop_repeats). multiple=m
+    pads T further, up to the next multiple of m but not past max(longest, cap) (data.pad_multiple, data.max_length):
+    the longest example's length stays attention_mask.sum(1).max()."""
+    longest = max(len(example.input_ids) for example in examples)
+    length = max(longest, min(-(-longest // multiple) * multiple, cap if cap is not None else longest * multiple))
     batch = {name: torch.zeros(len(examples), length, dtype=torch.long)
              for name in ("input_ids", "attention_mask", "loss_mask")}
     batch["input_ids"].fill_(pad_id)

@@ -298,7 +298,7 @@ class DFlashObjective(nn.Module):
         self.loss_options = BlockLossOptions.of(options, confidence_weight)
         self.register_buffer("anchor_generator", torch.Generator().manual_seed(seed).get_state())  # uint8
 
-    def forward(self, features, input_ids, target_logits, loss_mask, embed) -> BlockOutput:
+    def forward(self, features, input_ids, target_logits, loss_mask, embed, num_positions=None) -> BlockOutput:
         generator = torch.Generator()
         generator.set_state(self.anchor_generator.cpu())
         anchors, keep = sample_anchors(loss_mask, self.options.anchors, generator)

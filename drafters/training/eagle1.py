@@ -179,7 +179,7 @@ class Eagle1Objective(nn.Module):
         self.drafter, self.options = drafter, options
         self.register_buffer("noise_generator", torch.Generator().manual_seed(seed).get_state())  # (5056,) uint8
 
-    def forward(self, features, input_ids, target_logits, loss_mask, embed) -> Eagle1Output:
+    def forward(self, features, input_ids, target_logits, loss_mask, embed, num_positions=None) -> Eagle1Output:
         o = self.options
         noise = self.draw_noise(features) if self.training and o.noise else None
         return chain_loss(self.drafter, FeatureBatch(features, input_ids, target_logits, loss_mask, embed), steps=1,

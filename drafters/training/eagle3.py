@@ -213,7 +213,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: FeatureBatch, options: TTTOptions = 
     # padding rows are skipped). Every step's label row r = t+1+i is supervised iff loss_mask[r+1] = 1,
     # the same rows at all steps, so the target side is computed once there.
     rows, targets = supervised_targets(drafter, batch.target_logits, loss_mask, recompute=o.recompute)
-    num_positions = batch_size * seq_len if o.normalize == "positions" else None
+    num_positions = (batch.num_positions or batch_size * seq_len) if o.normalize == "positions" else None
     metrics, step_logits = [], []
     for step, hidden in drafter.ttt_unroll(batch.features, batch.input_ids, batch.embed, o.steps):
         label_rows = ttt_label_rows(rows, step)  # (B, T-1-i) index into targets, -1 = none
@@ -251,8 +251,9 @@ class Eagle3Objective(nn.Module):
         super().__init__()
         self.drafter, self.options = drafter, options
 
-    def forward(self, features, input_ids, target_logits, loss_mask, embed) -> TTTOutput:
-        return ttt_loss(self.drafter, FeatureBatch(features, input_ids, target_logits, loss_mask, embed), self.options)
+    def forward(self, features, input_ids, target_logits, loss_mask, embed, num_positions=None) -> TTTOutput:
+        return ttt_loss(self.drafter, FeatureBatch(features, input_ids, target_logits, loss_mask, embed,
+                                                   num_positions), self.options)
 
 
 def target_inputs_fn(recipe: FeatureRecipe, target: Target, drafter):

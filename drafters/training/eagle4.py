@@ -20,7 +20,7 @@ from torch import Tensor
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle4 import Eagle4Config, Eagle4Drafter, candidate_recall
 from drafters.layers import ttt_label_mask
-from drafters.training.batches import pad_id
+from drafters.training.batches import pad_id, padding
 from drafters.training.data import collate
 from drafters.training.eagle3 import (Eagle3Objective, Eagle3Options, TTTOptions, build_eagle3_drafter, check_eagle3,
                                       evaluate_eagle3, format_eval, warn_about_layers)
@@ -198,7 +198,7 @@ class Eagle4Run(FeatureRun):
         device = self.accelerator.device
         while True:
             for rows in self.sampler.batches(passes):
-                batch = collate([self.train_rows[i] for i in rows], pad, self.recipe.data.drop_repeats)
+                batch = collate([self.train_rows[i] for i in rows], pad, **padding(self.recipe.data))
                 yield {k: v.to(device) for k, v in batch.items()}
             passes += 1
 

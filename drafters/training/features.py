@@ -53,7 +53,7 @@ from drafters.checkpoint import target_info
 from drafters.dtypes import DTYPES
 from drafters.eagle3 import fuse_features
 from drafters.files import atomic_path, data_sha256, disk_full, file_sha256, write_text_atomic
-from drafters.training.batches import LengthBuckets, num_tokens
+from drafters.training.batches import LengthBuckets, num_tokens, padding
 from drafters.training.data import Example, collate
 from drafters.training.recipe import RecipeError
 
@@ -476,9 +476,10 @@ class OfflineRows(Dataset):
         return self.examples[i], self.store.features(self.stored[i])
 
 
-def collate_offline(items, pad_id: int, drop_repeats: int | None = None) -> dict[str, Tensor]:
-    """drafters.training.data.collate plus each stored value (B, T, F), zero on padding, in the storage dtype."""
-    batch = collate([example for example, _ in items], pad_id, drop_repeats)
+def collate_offline(items, pad_id: int, **padding) -> dict[str, Tensor]:
+    """drafters.training.data.collate (its keywords: drafters.training.batches.padding) plus each stored value
+    (B, T, F), zero on padding, in the storage dtype."""
+    batch = collate([example for example, _ in items], pad_id, **padding)
     for key, first in items[0][1].items():
         padded = first.new_zeros(len(items), batch["input_ids"].shape[1], first.shape[-1])
         for b, (_, values) in enumerate(items):
@@ -491,7 +492,7 @@ def offline_loader(recipe, store: FeatureStore, rows: list[Example], pad: int) -
     """The same batches as drafters.training.batches.train_loader (same LengthBuckets), with stored features."""
     sampler = LengthBuckets([num_tokens(e) for e in rows], recipe.batch_size, recipe.seed)
     return DataLoader(OfflineRows(rows, store), batch_sampler=sampler,
-                      collate_fn=partial(collate_offline, pad_id=pad, drop_repeats=recipe.data.drop_repeats))
+                      collate_fn=partial(collate_offline, pad_id=pad, **padding(recipe.data)))
 
 
 def offline_batches(store: FeatureStore, batches: list[list[Example]], pad: int) -> list[dict]:

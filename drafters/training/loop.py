@@ -477,6 +477,9 @@ class FeatureBatch:
     target_logits: object  # (B, T, V) tensor, or drafters.losses.LabelLogits (computed at the rows read only)
     loss_mask: Tensor  # (B, T): loss_mask[s] = 1 iff token s is learnt
     embed: torch.nn.Module  # the target's frozen token embedding
+    # B x the batch's longest row, before collate's padding to data.pad_multiple (what a "positions"-normalised loss
+    # divides by, so that padding changes nothing); None = B x T
+    num_positions: int | None = None
 
 
 class FeatureRun(RunBase):
@@ -491,8 +494,9 @@ class FeatureRun(RunBase):
     def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
         features, target_logits = self.inputs(batch)
+        mask = batch["attention_mask"]  # (B, T); rows are right-padded, so the longest row is the max of its sums
         out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
-                             self.target.embed_tokens)
+                             self.target.embed_tokens, num_positions=mask.shape[0] * int(mask.sum(1).max()))
         self.accelerator.backward(out.loss / self.recipe.grad_accum)
         scale = 1.0 / self.recipe.grad_accum
         metrics = StepMetrics(loss=out.loss.detach() * scale, parts=out.step_losses.detach() * scale,

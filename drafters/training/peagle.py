@@ -139,7 +139,7 @@ class PEagleObjective(nn.Module):
         self.drafter, self.options = drafter, options
         self.register_buffer("chain_generator", torch.Generator().manual_seed(seed).get_state())
 
-    def forward(self, features, input_ids, target_logits, loss_mask, embed) -> ParallelOutput:
+    def forward(self, features, input_ids, target_logits, loss_mask, embed, num_positions=None) -> ParallelOutput:
         generator = torch.Generator()
         generator.set_state(self.chain_generator.cpu())
         o = self.options

@@ -38,9 +38,16 @@ class Data:
     # the example's answers (the target looping: drafters.training.data.repeat_mask); null = every answer token.
     # Held-out metrics count every token either way
     drop_repeats: int | None = None
+    # training batches are right-padded to a multiple of this many tokens (capped at max_length), so step shapes
+    # repeat: the allocator reuses freed blocks and oneDNN its primitives instead of fragmenting the heap under a
+    # new length every step (SmolLM2, 150 offline steps: peak RSS 2.97 -> 1.52 GB at 64). Padding is never
+    # scored and the losses do not change (the positions normalisation counts the unpadded length). 1 = off
+    pad_multiple: int = 1
 
     def problems(self) -> list[str]:
         found = []
+        if self.pad_multiple < 1:
+            found.append(f"data.pad_multiple={self.pad_multiple} must be >= 1 (1 = pad to the longest row only)")
         if self.drop_repeats is not None and self.drop_repeats < 2:
             found.append(f"data.drop_repeats={self.drop_repeats} must be >= 2 (a span of n tokens) or null (keep "
                          "every answer token)")
