@@ -37,6 +37,7 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -226,6 +227,8 @@ def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: st
             row["error"] = f"training exited {measured.returncode}: {last_lines(measured.log)}"
         elif drafter is None:
             drafter, fmt = adapter.exported(run_dir / "out")
+        if trainer in PEERS and not args.keep_converted:  # a copy of the store as big as it (5.6 GB at 1M tokens)
+            shutil.rmtree(run_dir / "data", ignore_errors=True)
         row["drafter"], row["format"] = (str(drafter), fmt) if drafter else (None, None)
     except Exception as error:  # a peer that cannot install or convert: its row says why, the others still run
         row["error"] = f"{type(error).__name__}: {error}"[:400]
@@ -287,6 +290,9 @@ def parse_args(argv):
     p.add_argument("--bench-limit", type=int, default=10, help="first N MT-bench questions (both turns)")
     p.add_argument("--chain", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=32, help="per turn")
+    p.add_argument("--keep-converted", action="store_true",
+                   help="keep each peer run's converted copy of the store (runs/NAME/data; removed once the run "
+                        "ends, since a rerun converts again)")
     p.add_argument("--report", type=Path, default=None, help="also write the table here (markdown)")
     return p.parse_args(argv)
 
