@@ -163,19 +163,30 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(c)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = LlamaMLP(llama_config(c))
+        # DFlash2's dynamic convolutions around each sublayer (drafters.dflash2); None: DFlash's plain sublayers.
+        # Instance attributes, not class defaults (a class attribute would hide the submodule nn.Module registers)
+        self.attention_conv = self.mlp_conv = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: tuple[Tensor, Tensor] | None,
                 mask: Tensor | None) -> Tensor:
         """x (B, Q, h) block stream at the positions of cos / sin; context = this layer's (keys, values)
         (B, Hkv, S, D) of S context slots, or None; mask (B or 1, 1, Q, S + Q) bool over [context; block],
         None = every query sees every key. -> (B, Q, h)."""
-        u = self.input_layernorm(x)
-        q = self.self_attn.query(u, cos, sin)
-        k, v = self.self_attn.keys_values(u, cos, sin)
-        if context is not None:
-            k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
-        x = x + self.self_attn.attend(q, k, v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+        def attention(u: Tensor) -> Tensor:  # u (B, Q, h) the normed block stream
+            q = self.self_attn.query(u, cos, sin)
+            k, v = self.self_attn.keys_values(u, cos, sin)
+            if context is not None:
+                k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
+            return self.self_attn.attend(q, k, v, mask)
+
+        x = x + around(self.attention_conv, attention, self.input_layernorm(x))
+        return x + around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
+
+
+def around(conv: nn.Module | None, sublayer, u: Tensor) -> Tensor:
+    """sublayer(u), or conv(sublayer, u) where a DFlash2 convolution wraps it (drafters.dflash2.DynamicConv)."""
+    return sublayer(u) if conv is None else conv(sublayer, u)
 
 
 # ---- training inputs: anchors, blocks, labels ------------------------------------------------------------------

@@ -22,12 +22,14 @@ from torch import nn
 from drafters.blockwise import BlockwiseConfig, BlockwiseHeads
 from drafters.checkpoint import CheckpointError
 from drafters.dflash import DFlashConfig, DFlashDrafter
+from drafters.dflash2 import DFlash2Config, DFlash2Drafter
 from drafters.draft_vocab import DraftVocab
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from drafters.eagle1 import FEATURES, Eagle1Config, Eagle1Drafter
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from drafters.eagle4 import Eagle4Config, Eagle4Drafter
 from drafters.medusa import MedusaConfig, MedusaHeads
+from drafters.mtp import MtpConfig, MtpDrafter, mtp_count
 from drafters.peagle import PEagleConfig, PEagleDrafter
 
 
@@ -65,6 +67,17 @@ def _aux_layers_and_mask_token(config, text) -> list[str]:  # DFlash, DSpark, P-
     return problems
 
 
+def _same_mtp_target(config, text) -> list[str]:  # MTP: the target's own layer, so the same model and MTP count
+    problems = [f"{key}: drafter {config.target_config.get(key)} vs target {getattr(text, key, None)}"
+                for key in ("model_type", "num_hidden_layers")
+                if config.target_config.get(key) != getattr(text, key, None)]
+    count = mtp_count(text)
+    if count is None or count[1] <= config.layer:
+        problems.append(f"the target declares {count[1] if count else 'no'} MTP layers, the drafter is layer "
+                        f"{config.layer}")
+    return problems
+
+
 def _known_feature(config, text) -> list[str]:
     return [] if config.feature in FEATURES else [f"feature {config.feature!r} is none of {', '.join(FEATURES)}"]
 
@@ -78,8 +91,10 @@ FAMILIES: dict[str, Family] = {
     "blockwise": Family("Blockwise", BlockwiseConfig, BlockwiseHeads, _SHAPE),
     "dflash": Family("DFlash", DFlashConfig, DFlashDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
     "dspark": Family("DSpark", DSparkConfig, DSparkDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
+    "dflash2": Family("DFlash2", DFlash2Config, DFlash2Drafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
     "peagle": Family("P-EAGLE", PEagleConfig, PEagleDrafter, _ROTARY, _aux_layers_and_mask_token, draft_vocab=True),
     "eagle4": Family("EAGLE-4", Eagle4Config, Eagle4Drafter, _ROTARY, _aux_layers_exist, draft_vocab=True),
+    "mtp": Family("MTP", MtpConfig, MtpDrafter, _ROTARY, _same_mtp_target),
 }
 
 

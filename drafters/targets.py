@@ -26,7 +26,7 @@ from drafters.dtypes import DTYPES, dtype_name
 from drafters.errors import UserError
 from drafters.files import file_sha256
 from drafters.fingerprint import remember_samples
-from drafters.tiny import TINY_TARGETS, build_tiny_target
+from drafters.tiny import MTP_ARCHITECTURES, TINY_MTP_PREFIX, TINY_TARGETS, build_tiny_target, write_tiny_mtp_target
 
 
 class TargetError(UserError):
@@ -57,7 +57,7 @@ SHIPPED = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
-SHORT_NAMES = (*TINY_TARGETS, *SHIPPED)
+SHORT_NAMES = (*TINY_TARGETS, *SHIPPED, *(TINY_MTP_PREFIX + arch for arch in MTP_ARCHITECTURES))
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Chat end-of-turn tokens: added to the stop set when the tokenizer's chat template uses them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -338,6 +338,17 @@ def resolve(key: str, dtype: torch.dtype, root: Path, decoder: bool | str = True
         return key.lower(), model.to(dtype), tokenizer
     if key.lower() in SHIPPED:
         return key.lower(), *load_shipped(key.lower(), dtype, root, decoder)
+    if key.lower().removeprefix(TINY_MTP_PREFIX) in MTP_ARCHITECTURES and key.lower().startswith(TINY_MTP_PREFIX):
+        # a tiny target with native MTP layers in its files (drafters.tiny): written once, then a local directory
+        path = root / key.lower()
+        if not (path / "config.json").is_file():  # written beside it, then renamed into place
+            root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=root))
+            write_tiny_mtp_target(key.lower().removeprefix(TINY_MTP_PREFIX), staging / "model")
+            if not path.exists():  # another process may have placed it meanwhile
+                os.replace(staging / "model", path)
+            shutil.rmtree(staging, ignore_errors=True)
+        return key.lower(), *load_hf_dir(path, dtype, decoder=decoder)
     path = Path(key).expanduser()
     if path.is_dir():
         return str(path.resolve()), *load_hf_dir(path, dtype, decoder=decoder)

@@ -178,3 +178,48 @@ def build_tiny_architecture(arch: str, seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.eval(), tokenizer
+
+
+# Tiny targets with native MTP layers (drafters.mtp): arch -> the checkpoint layout its MTP tensors take. Transformers'
+# model classes drop MTP weights at load and never save them, so the tiny target is saved first and its MTP layer's
+# tensors (random, correctly shaped) are then added to its safetensors, with the config's count field set.
+MTP_ARCHITECTURES = {"deepseek_v3": "deepseek", "glm4_moe": "deepseek", "qwen3_next": "qwen", "qwen3_5": "qwen",
+                     "llama": "deepseek", "qwen3": "deepseek"}  # the last two: DeepSeek's layout on dense targets
+TINY_MTP_PREFIX = "tiny-mtp-"  # tiny-mtp-<arch>: a drafters.targets short name, written once into the cache
+
+
+def write_tiny_mtp_target(arch: str, directory, seed: int = 0, num_mtp_layers: int = 1):
+    """Save the tiny random `arch` (build_tiny_architecture) with its tokenizer into `directory`, plus
+    `num_mtp_layers` random MTP layers in the target's own layout (drafters.mtp) -> the directory."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from drafters.mtp import MtpConfig, MtpDrafter, MtpNames, checkpoint_tensors
+
+    if arch not in MTP_ARCHITECTURES:
+        raise ValueError(f"no tiny MTP target for {arch!r}; choose one of {', '.join(MTP_ARCHITECTURES)}")
+    layout, directory = MTP_ARCHITECTURES[arch], Path(directory)
+    model, tokenizer = build_tiny_architecture(arch, seed)
+    text = model.config.get_text_config()
+    setattr(text, "mtp_num_hidden_layers" if arch == "qwen3_5" else "num_nextn_predict_layers", num_mtp_layers)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    file = directory / "model.safetensors"
+    with safe_open(file, framework="pt") as f:
+        tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
+    generator = torch.Generator().manual_seed(seed + 1)
+    centre = 0.0 if layout == "qwen" else 1.0  # Qwen's norms compute x * (1 + w)
+    for layer in range(num_mtp_layers):
+        config = MtpConfig.from_target_config(model.config, layout, layer)
+        state = {name: (centre + 0.1 * torch.randn(v.shape, generator=generator)) if v.dim() == 1
+                 else 0.1 * torch.randn(v.shape, generator=generator)
+                 for name, v in MtpDrafter(config).state_dict().items()}
+        tensors.update(checkpoint_tensors(config, state, text.num_hidden_layers))
+        copies = MtpNames.of(layout, text.num_hidden_layers, layer).copies
+        if copies:  # DeepSeek stores the target's embedding and head beside every MTP layer
+            tensors[copies["embed"]] = model.get_input_embeddings().weight.detach().clone()
+            tensors[copies["head"]] = model.get_output_embeddings().weight.detach().clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata=metadata)
+    return directory

@@ -31,9 +31,13 @@ TREES = ["chain:3", "static:[[0],[1],[0,0]]"]
 NEW = 12
 
 
+# the target a family's tiny recipe trains for: tiny-random-llama, but an MTP drafter is a target's own MTP layer
+FAMILY_TARGETS = {"mtp": "tiny-mtp-deepseek_v3"}
+
+
 @pytest.fixture(scope="module")
-def target():
-    return load_target("tiny-random-llama")
+def target(trained):
+    return load_target(FAMILY_TARGETS.get(trained[0], "tiny-random-llama"))
 
 
 @pytest.fixture(scope="module")

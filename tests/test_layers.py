@@ -42,7 +42,7 @@ ALLOWED = {
 # multi-head families share, and the one that trains, drafts and exports both)
 FAMILY_PARENTS = {
     "eagle3": set(), "eagle1": set(), "dflash": {"eagle3"}, "dspark": {"dflash", "eagle3"}, "peagle": {"eagle3"},
-    "eagle4": {"eagle3"},
+    "eagle4": {"eagle3"}, "dflash2": {"dflash"}, "mtp": set(),
     "medusa": {"heads"}, "blockwise": {"heads"}, "heads": {"medusa", "blockwise"},
 }
 # the one import against it, with why it stays: to be split (an exporter of its own for DSpark)

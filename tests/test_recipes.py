@@ -89,7 +89,7 @@ def test_all_problems_are_named_at_once():
     ("recipes/dflash_tiny.yaml", "eagle3.tv_weight=1", "eagle3.tv_weight=1 is read by drafter: eagle3, eagle4 only, not "
      "dflash"),
     ("recipes/eagle3_tiny.yaml", "drafter=eagel3", "drafter='eagel3' is not a family this trainer trains; choose one "
-     "of eagle3, dflash, dspark, peagle, eagle4, eagle1, medusa, blockwise (did you mean 'eagle3'?)"),
+     "of eagle3, dflash, dspark, dflash2, peagle, eagle4, eagle1, medusa, blockwise, mtp (did you mean 'eagle3'?)"),
 ])
 def test_another_familys_field_is_refused_where_it_would_be_ignored(recipe, override, message):
     with pytest.raises(RecipeError, match=re.escape(message)):

@@ -462,10 +462,18 @@ def rows_expander(rows: Tensor, to_target: Callable[[Tensor, float], Tensor], sa
     # expand(Frontier at depth d) -> (F, V) scores over target ids (to_target(x (F, Vd), fill) scatters a draft
     # vocabulary): draft log-probs (top-k drafts) or, with draws > 0, `draws` samples per node without replacement
     # ranked in draw order; probs[node] = (V,) the warped q its children were drawn from.
+    return node_rows_expander(lambda frontier: rows[frontier.depth][None].expand(len(frontier.nodes), -1),
+                              to_target, sampling, draws, generator)
+
+
+def node_rows_expander(rows_of: Callable[[Frontier], Tensor], to_target: Callable[[Tensor, float], Tensor], sampling,
+                       draws: int, generator: torch.Generator | None = None):
+    # rows_expander where each frontier node has a row of its own: rows_of(frontier) -> (F, Vd) draft logits of the
+    # nodes' children (DFlash2's q_d(. | node token)); -inf where a node proposes nothing
     probs = {}
 
     def expand(frontier: Frontier) -> Tensor:
-        row = rows[frontier.depth][None].expand(len(frontier.nodes), -1)  # (F, Vd)
+        row = rows_of(frontier)  # (F, Vd)
         if not draws:
             return to_target(row.float().log_softmax(-1), float("-inf"))
         q = to_target(warp(row, sampling), 0.0)  # (F, V) float32, identical rows

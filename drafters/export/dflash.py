@@ -38,6 +38,8 @@ its draft logits with the source checkpoint's (the same stand-in head on both: t
 target's) before the directory is renamed into place.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -97,10 +99,11 @@ def export_dflash(ckpt_dir, fmt: str, out_dir, *, target=None, dtype: str = "fp3
                                                             target_head=head), overwrite)
 
 
-def preflight(ckpt: Checkpoint, fmt: str, target=None) -> tuple[dict, DFlashConfig]:
-    """-> (target facts to export against, the drafter config). Raises ExportError before any write."""
+def preflight(ckpt: Checkpoint, fmt: str, target=None, cls: type | None = None) -> tuple[dict, DFlashConfig]:
+    """-> (target facts to export against, the drafter config: `cls`, default DFlash's or DSpark's). Raises
+    ExportError before any write."""
     expected = export_target(ckpt, target)
-    cls = DSparkConfig if ckpt.family == "dspark" else DFlashConfig
+    cls = cls or (DSparkConfig if ckpt.family == "dspark" else DFlashConfig)
     try:
         c = cls(**ckpt.config)
     except (TypeError, ValueError) as err:
@@ -185,11 +188,22 @@ def vllm_config(c: DFlashConfig, dtype: str, speculative_tokens: int, verifier: 
 # ---- independent reader ----------------------------------------------------------------------------
 
 
-def read_dflash_export(path, fmt: str, *, target: dict | None = None):
+@dataclass(frozen=True)
+class SGLangVariant:
+    """A drafter whose sglang layout is DFlash's plus fields and tensors of its own (DFlash2: drafters.export.dflash2):
+    what the reader checks and builds instead of DFlash's."""
+
+    architecture: str  # config.json's architectures[0]
+    config: Callable  # (dflash_config dict, DFlashConfig fields, where) -> the drafter's config (ExportCheckError)
+    shapes: Callable  # (that config) -> {name: shape} of its own tensors
+
+
+def read_dflash_export(path, fmt: str, *, target: dict | None = None, variant: SGLangVariant | None = None):
     """Reads and validates an sglang / vllm DFlash export (ours or another trainer's) -> (DFlashConfig with
     aux layers as HF indices, state dict in DFlashDrafter names with d2t / t2d (the identity map where the
     export has none: full vocabulary), the export's LM head rows (Vd, h) or None (the target's head), the
-    layer ids as written, float dtype). Also how exported drafters are loaded to draft in the decoder."""
+    layer ids as written, float dtype). Also how exported drafters are loaded to draft in the decoder.
+    variant: an sglang layout that extends DFlash's (its architecture, config and tensors)."""
     path = Path(path)
     if fmt not in ("sglang", "vllm"):
         raise ExportCheckError(f"unknown DFlash export format {fmt!r}: sglang or vllm")
@@ -197,7 +211,8 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
     config = read_json(path / CONFIG_FILE)
     algorithm, markov = "dflash", None
     if fmt == "sglang":
-        get_field(config, "architectures", list, where, equals=["DFlashDraftModel"])
+        get_field(config, "architectures", list, where,
+                  equals=[variant.architecture if variant else "DFlashDraftModel"])
         layer, dflash = config, get_field(config, "dflash_config", dict, where)
         written = int_list(dflash, "target_layer_ids", f"{where} dflash_config")
         aux = [i + 1 for i in written]  # SGLang / reference: hidden_states[id + 1]
@@ -265,15 +280,15 @@ def read_dflash_export(path, fmt: str, *, target: dict | None = None):
         if not all(1 <= i <= target["num_layers"] - 1 for i in aux):
             raise ExportCheckError(f"{where}: aux layers (HF indices) {aux} outside [1, {target['num_layers'] - 1}] "
                                    f"for the {target['num_layers']}-layer target")
+    fields = dict(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token, aux_layers=aux)
     try:
-        c = DFlashConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
-                         aux_layers=aux) if markov is None else \
-            DSparkConfig(**geometry, draft_vocab_size=draft_vocab, block_size=block, mask_token_id=mask_token,
-                         aux_layers=aux, **markov)
+        c = variant.config(dflash, fields, where) if variant else \
+            DFlashConfig(**fields) if markov is None else DSparkConfig(**fields, **markov)
     except ValueError as err:
         raise ExportCheckError(f"{where}: {err}") from None
     tensors = read_tensors(path / WEIGHTS_FILE)
-    head, dtype = _check_dflash_tensors(tensors, c, config_dtype, fmt, path / WEIGHTS_FILE)
+    shapes = dflash_shapes(c, fmt) | (variant.shapes(c) if variant else {})
+    head, dtype = _check_dflash_tensors(tensors, c, config_dtype, fmt, path / WEIGHTS_FILE, shapes)
     if "d2t" not in tensors:  # full vocabulary: draft id i = target id i
         tensors["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
         tensors["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
@@ -343,9 +358,8 @@ def dflash_shapes(c: DFlashConfig, fmt: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_dflash_tensors(tensors: dict, c: DFlashConfig, config_dtype, fmt: str, where: Path):
+def _check_dflash_tensors(tensors: dict, c: DFlashConfig, config_dtype, fmt: str, where: Path, shapes: dict):
     check_finite(tensors, where)
-    shapes = dflash_shapes(c, fmt)
     check_layout(tensors, shapes, f"{fmt} {type(c).__name__.removesuffix('Config')}", where)
     if "d2t" in tensors:
         if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
@@ -373,14 +387,14 @@ def check_dflash_export(path, fmt: str, *, target: dict | None = None, reference
         if not torch.equal(head, want):
             raise ExportCheckError(f"{path}: lm_head.weight is not the target's LM head rows of the draft vocabulary")
     if reference is not None:
-        diffs = compare_with_source(rebuilt, c, state, reference, dtype, path, partial(_draft_logits, seed=seed))
+        diffs = compare_with_source(rebuilt, c, state, reference, dtype, path, partial(probe_draft_logits, seed=seed))
     return CheckReport(path, fmt, "dspark" if isinstance(c, DSparkConfig) else "dflash", c.aux_layers, written, str(dtype), len(state), *diffs)
 
 
 
 
 @torch.no_grad()
-def _draft_logits(drafter: DFlashDrafter, seed: int, context: int = 7) -> torch.Tensor:
+def probe_draft_logits(drafter: DFlashDrafter, seed: int, context: int = 7) -> torch.Tensor:
     """Random fused features as the context, one block, scored by a random stand-in head and embedding
     (the real ones are the target's) -> (Bk-1, Vd) logits."""
     c = drafter.config

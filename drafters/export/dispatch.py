@@ -9,13 +9,16 @@
             checkpoints only (writer and independent reader: drafters.export.medusa)
     eagle1  official EAGLE-1 layout: config.json + fc.*, layers.0.*; eagle1 checkpoints trained on
             normed features only (writer and independent reader: drafters.export.eagle1)
+    mtp     the target's own checkpoint with its native MTP layer replaced by the trained one (drafters.export.mtp)
 llama.cpp  a GGUF drafter for llama.cpp (--spec-type draft-eagle3 / draft-dflash), written by llama.cpp's own
            converter and read back (drafters.export.llama_cpp); EAGLE-3 and DFlash checkpoints
 A dflash checkpoint exports to sglang (SGLang's DFlashDraftModel) and vllm (speculators' `dflash`) in the
 DFlash layouts instead (writer and independent reader: drafters.export.dflash); a dspark checkpoint to vllm
 (speculators' `dspark`, also what llama.cpp's converter reads) and llama.cpp; a peagle checkpoint to vllm
 (speculators' `peagle`: drafters.export.peagle); an eagle4 checkpoint to vllm (speculators' layout plus the candidate
-head, LlamaForCausalLMEagle4: drafters.export.eagle4), and never to sglang or llama.cpp (REFUSED: no candidate head).
+head, LlamaForCausalLMEagle4: drafters.export.eagle4), and never to sglang or llama.cpp (REFUSED: no candidate head);
+a dflash2 checkpoint to sglang (z-lab's DFlash2DraftModel: drafters.export.dflash2), never to vllm or llama.cpp
+(REFUSED).
 
 
 Knows nothing about training, targets' weights or decoding. Every format refuses, before anything
@@ -36,23 +39,26 @@ from drafters.export.eagle3_reader import check_export  # the independent reader
 from drafters.export.common import (ExportError, ExportResult, cast_floats, check_out_dir, export_dtype, exported_files,
                                     load_source, write_staged)
 from drafters.export.dflash import export_dflash
+from drafters.export.dflash2 import export_dflash2
 from drafters.export.eagle1 import export_eagle1
 from drafters.export.eagle3 import preflight, write_eagle3
 from drafters.export.eagle4 import export_eagle4
 from drafters.export.llama_cpp import export_llama_cpp
 from drafters.export.medusa import export_medusa
+from drafters.export.mtp import export_mtp
 from drafters.export.peagle import export_peagle
 from drafters.registry import FAMILIES
 
-FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp")
+FORMATS = ("sglang", "vllm", "native", "medusa", "eagle1", "llama.cpp", "mtp")
 FORMAT_HOLDS = {
-    "sglang": "sglang holds EAGLE-3 and DFlash drafters",
+    "sglang": "sglang holds EAGLE-3, DFlash and DFlash2 drafters",
     "vllm": "vllm holds EAGLE-3, DFlash, DSpark, P-EAGLE and EAGLE-4 drafters",
     "llama.cpp": "llama.cpp serves EAGLE-3, DFlash and DSpark drafters (--spec-type draft-eagle3 / draft-dflash / "
                  "draft-dspark)",
     "medusa": "the Medusa layout holds Medusa heads only; Blockwise heads share one hidden layer d -> K*f -> K*d "
               "across heads, which no Medusa loader builds",
     "eagle1": "the official EAGLE-1 layout holds EAGLE-1 drafters only",
+    "mtp": "the mtp format is a target checkpoint with its native MTP layer replaced: MTP drafters only",
 }
 
 
@@ -123,8 +129,10 @@ EXPORTERS = {
     ("dspark", "vllm"): export_dflash, ("dspark", "llama.cpp"): _llama_cpp,  # speculators' dspark layout
     ("peagle", "vllm"): export_peagle,  # speculators' peagle layout
     ("eagle4", "vllm"): export_eagle4,  # speculators' layout + the candidate head (LlamaForCausalLMEagle4)
+    ("dflash2", "sglang"): export_dflash2,  # z-lab's DFlash2DraftModel layout (SGLang's and vLLM's DFlash2)
     ("eagle1", "eagle1"): _eagle1,
     ("medusa", "medusa"): _medusa,
+    ("mtp", "mtp"): export_mtp,  # the target's own checkpoint, its MTP layer replaced (drafters.export.mtp)
     **{(family, "native"): _eagle3_layout for family in FAMILIES},
 }
 # (family, format) an engine would load without what the family drafts with: one sentence each, before any work
@@ -135,6 +143,12 @@ REFUSED = {
     ("eagle4", "llama.cpp"): "an EAGLE-4 drafter cannot be exported to llama.cpp: its EAGLE-3 graph has no candidate "
                              "head, so it would draft with the full head and drop the rank-r factors; use --format "
                              "vllm (LlamaForCausalLMEagle4) or native",
+    ("dflash2", "vllm"): "a DFlash2 drafter cannot be exported to vllm: speculators' DFlash layout has no dynamic "
+                         "convolution or path selector, so vLLM would draft DFlash's independent slots; use --format "
+                         "sglang (DFlash2DraftModel) or native",
+    ("dflash2", "llama.cpp"): "a DFlash2 drafter cannot be exported to llama.cpp: the pinned converter and its DFlash "
+                              "graph have no dynamic convolution or path selector, so it would draft without both; "
+                              "use --format sglang (DFlash2DraftModel) or native",
 }
 # keyed as drafters.registry.FAMILIES (tests/test_families.py): the formats each family's checkpoints export to
 EXPORT_FORMATS = {family: tuple(fmt for (f, fmt) in EXPORTERS if f == family) for family in FAMILIES}

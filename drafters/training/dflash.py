@@ -7,7 +7,8 @@ labels, online or from the EAGLE-3 feature store) are EAGLE-3's (drafters.traini
 family entries of drafters.training.families.
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -81,17 +82,21 @@ def check_dflash(o: DFlashOptions) -> list[str]:
 def build_dflash(recipe, target, train_rows, vocab: DraftVocab, say) -> "DFlashObjective":
     """The family's build (drafters.training.families.TrainingFamily): the mask token from the training rows, the
     drafter on the target's frozen head rows of the draft vocabulary."""
-    try:
-        mask_token_id = choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id,
-                                          key="dflash.mask_token_id")
-    except ValueError as err:
-        raise RecipeError(f"recipe: {err}") from None
-    drafter = build_dflash_drafter(recipe, target, vocab, mask_token_id)
+    drafter = build_dflash_drafter(recipe, target, vocab, recipe_mask_token(recipe, target, train_rows))
     c = drafter.config
     say(f"eagle: DFlash drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"{c.num_hidden_layers} layers, block {c.block_size}, mask token {c.mask_token_id}, aux layers "
         f"{c.aux_layers}, draft vocab {vocab.size} of {target.vocab_size} (target head rows, frozen)")
     return DFlashObjective(drafter, recipe.dflash, recipe.seed)
+
+
+def recipe_mask_token(recipe, target, train_rows) -> int:
+    """dflash.mask_token_id, or the lowest target id no training row contains."""
+    try:
+        return choose_mask_token(train_rows, target.vocab_size, recipe.dflash.mask_token_id,
+                                 key="dflash.mask_token_id")
+    except ValueError as err:
+        raise RecipeError(f"recipe: {err}") from None
 
 
 def build_dflash_drafter(recipe, target, vocab: DraftVocab, mask_token_id: int) -> DFlashDrafter:
@@ -144,6 +149,8 @@ class BlockLossOptions:
     weighting: str = "decay"  # decay: the fixed w_j; dpace: each block's `dpace_weights`
     dpace_alpha: float = 0.5
     confidence_weight: float = 1.0  # DSpark's confidence head: its BCE weighs this much in the loss
+    # (drafter, BlockSlots, w (Bk-1,), sum_j w_j count_j) -> () added to the loss (DFlash2's path selector)
+    extra_loss: Callable | None = None
 
     @classmethod
     def of(cls, o: DFlashOptions, confidence_weight: float = 1.0) -> "BlockLossOptions":
@@ -180,6 +187,7 @@ def block_loss(drafter: DFlashDrafter, batch: FeatureBatch, anchors, keep,
     probability that slot j's draft is accepted, 1 - TV(q_j, p_j) (detached; speculators' target).
     weighting "dpace": each counted slot's CE weighs its block's `dpace_weights` instead, loss = sum w CE / sum w
     (the weighted mean, as with the decay; the confidence head keeps the decay); the slots' logits are then kept.
+    options.extra_loss adds its term (DFlash2's selector, drafters.training.dflash2), whatever the weighting.
     return_logits keeps every slot's logits (tests, evaluation)."""
     if options.labels not in LABELS:
         raise ValueError(f"labels={options.labels!r}: use one of {', '.join(LABELS)}")
@@ -197,8 +205,10 @@ def block_loss(drafter: DFlashDrafter, batch: FeatureBatch, anchors, keep,
     weights = decay_weights(bk, options.gamma, device)[1:]  # (Bk-1,) w_1 .. w_{Bk-1}
     counts = slots.counted.sum(dim=(0, 1))  # (Bk-1,)
     total = (weights * counts).sum().clamp(min=1e-12)  # sum_j w_j count_j
+    extra = 0.0 if options.extra_loss is None else options.extra_loss(drafter, slots, weights, total)
     if options.weighting == "dpace":
-        return _dpace_block_loss(drafter, slots, weights, total, options, return_logits)
+        out = _dpace_block_loss(drafter, slots, weights, total, options, return_logits)
+        return replace(out, loss=out.loss + extra)
     fused = not return_logits and c.final_logit_softcapping is None and drafter.fused_loss
     losses, accuracies, all_logits, confidence = [], [], [], []
     for j in range(bk - 1):  # slot j+1
@@ -231,7 +241,8 @@ def block_loss(drafter: DFlashDrafter, batch: FeatureBatch, anchors, keep,
     if return_logits:  # draft id of the target argmax where counted, else -1
         label_ids = torch.full_like(index, -1)
         label_ids[slots.counted] = argmax_draft[index[slots.counted]]
-    loss = step_losses.sum() + (options.confidence_weight * torch.stack(confidence).sum() if confidence else 0.0)
+    loss = step_losses.sum() + (options.confidence_weight * torch.stack(confidence).sum() if confidence else 0.0) + \
+        extra
     return BlockOutput(loss=loss, step_losses=mean_ce, step_accuracies=torch.stack(accuracies),
                        step_counts=counts, step_supervised=wanted.sum(dim=(0, 1)),
                        logits=torch.stack(all_logits, 2) if return_logits else None, labels=label_ids)

@@ -25,6 +25,7 @@ from drafters.checkpoint import load_checkpoint
 from drafters.training.batches import length_sorted_batches, pad_id, train_loader
 from drafters.training.data import collate
 from drafters.training.dflash import DFlashRecipe, build_dflash, evaluate_dflash, format_dflash_eval
+from drafters.training.dflash2 import DFlash2Recipe, build_dflash2
 from drafters.training.dspark import DSparkRecipe, build_dspark
 from drafters.training.eagle1 import Eagle1Recipe, build_eagle1, eagle1_inputs_fn, eagle1_layer_spec, evaluate_eagle1
 from drafters.training.eagle3 import (
@@ -48,6 +49,7 @@ from drafters.training.heads import (
 )
 from drafters.errors import Stopped
 from drafters.training.loop import FeatureRun, Summary, fit, start_run
+from drafters.training.mtp import MtpRecipe, build_mtp, evaluate_mtp, mtp_inputs_fn
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, apply_override, read_recipe, to_dict
@@ -125,6 +127,11 @@ TRAINING_FAMILIES: dict[str, TrainingFamily] = {
     "dspark": TrainingFamily("dspark", recipe=DSparkRecipe, build=build_dspark, loss_parts="per block slot",
                              evaluate=evaluate_dflash, describe=format_dflash_eval, memory_shape=block_shape,
                              **_FUSED),
+    # DFlash2 is DFlash plus its convolutions and path selector: DFlash's objective (+ the selector's term), evaluation
+    # and store
+    "dflash2": TrainingFamily("dflash2", recipe=DFlash2Recipe, build=build_dflash2, loss_parts="per block slot",
+                              evaluate=evaluate_dflash, describe=format_dflash_eval, memory_shape=block_shape,
+                              **_FUSED),
     "peagle": TrainingFamily("peagle", recipe=PEagleRecipe, build=build_peagle, loss_parts="per depth",
                              evaluate=evaluate_peagle, describe=format_peagle_eval, **_FUSED),
     # EAGLE-3's training-time test (stage 1), then the candidate head alone (stage 2, Eagle4Run); online only
@@ -137,6 +144,9 @@ TRAINING_FAMILIES: dict[str, TrainingFamily] = {
                              inputs=eagle1_inputs_fn, evaluate=evaluate_eagle1, describe=format_eval),
     "medusa": TrainingFamily("medusa", recipe=MedusaRecipe, build=build_medusa, **_HEADS),
     "blockwise": TrainingFamily("blockwise", recipe=BlockwiseRecipe, build=build_blockwise, **_HEADS),
+    # the target's own MTP layer, read from its checkpoint; hard CE on the data's tokens; online only
+    "mtp": TrainingFamily("mtp", recipe=MtpRecipe, build=build_mtp, loss_parts="per chain step", run=FeatureRun,
+                          inputs=mtp_inputs_fn, evaluate=evaluate_mtp, describe=format_eval),
 }
 DEFAULT_FAMILY = "eagle3"  # a recipe that names no `drafter`
 

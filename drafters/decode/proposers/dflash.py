@@ -81,8 +81,13 @@ class DFlashProposer:
         # a chain's length may grow under AdaptiveChain: one pass drafts at most block_size - 1
         depth = min(self.depth, self.drafter.config.block_size - 1) if self.depth is not None else None
         pending_ids = torch.tensor([pending], device=self.drafter.head.device)
-        _, logits = self.drafter.draft(pending_ids, self.embed, self.cache)
-        slots = logits[0]  # (B-1, Vd): row d-1 = q_d, the distribution of a depth-d node
+        normed, logits = self.drafter.draft(pending_ids, self.embed, self.cache)
+        return self.draft_tree(normed[0, 1:], logits[0], pending, sampling, depth)
+
+    def draft_tree(self, normed: Tensor, slots: Tensor, pending: int, sampling: SamplingConfig,
+                   depth: int | None) -> Tree:
+        """normed (B-1, h), slots (B-1, Vd): slot d's output and logits, row d-1 = q_d, the distribution of a
+        depth-d node -> the tree (DFlash2's proposer ranks its own way)."""
         # top-k drafts for dynamic trees at every temperature (module docstring)
         expander = lambda _, draws: rows_expander(slots, self._to_target, sampling, draws, self.generator)  # noqa: E731
         return build_tree(self.tree, pending, expander, sampled=not sampling.greedy, chain_depth=depth)

@@ -30,12 +30,14 @@ from typing import Callable
 from drafters.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, check_target, target_info
 from drafters.checkpoint import load_checkpoint as read_checkpoint
 from drafters.decode.proposers.dflash import dflash_export_loader, dflash_proposer
+from drafters.decode.proposers.dflash2 import dflash2_export_loader, dflash2_proposer
 from drafters.decode.proposers.draft_model import DraftModelProposer
 from drafters.decode.proposers.dspark import DSparkProposer, dspark_export_loader, dspark_proposer
 from drafters.decode.proposers.eagle import eagle3_export_loader, eagle3_proposer
 from drafters.decode.proposers.eagle1 import eagle1_export_loader, eagle1_proposer
 from drafters.decode.proposers.eagle4 import eagle4_export_loader, eagle4_proposer
 from drafters.decode.proposers.heads import calibrated_tree, heads_proposer, medusa_export_proposer
+from drafters.decode.proposers.mtp import is_mtp_checkpoint, mtp_export_loader, mtp_proposer
 from drafters.decode.proposers.hybrid import HybridProposer
 from drafters.decode.proposers.peagle import peagle_export_loader, peagle_proposer
 from drafters.decode.proposers.prompt_lookup import PromptLookupProposer
@@ -56,8 +58,10 @@ FAMILY_PROPOSERS: dict[str, Callable] = {
     "blockwise": heads_proposer,
     "dflash": dflash_proposer,
     "dspark": dspark_proposer,
+    "dflash2": dflash2_proposer,
     "peagle": peagle_proposer,
     "eagle4": eagle4_proposer,
+    "mtp": mtp_proposer,
 }
 # exported checkpoints (config.json): format -> (detect(config) -> bool,
 # load(path, config, target, tree) -> proposer); recorded target fields are checked before. EAGLE-3
@@ -69,9 +73,12 @@ CHECKPOINT_LOADERS: dict[str, tuple[Callable[[dict], bool], Callable]] = {
                       dflash_export_loader("sglang")),
     "vllm-dflash": (lambda c: c.get("speculators_model_type") == "dflash", dflash_export_loader("vllm")),
     "vllm-dspark": (lambda c: c.get("speculators_model_type") == "dspark", dspark_export_loader),
+    "sglang-dflash2": (lambda c: c.get("architectures") == ["DFlash2DraftModel"], dflash2_export_loader),
     "vllm-peagle": (lambda c: c.get("speculators_model_type") == "peagle", peagle_export_loader),
     "vllm-eagle4": (lambda c: c.get("speculators_model_type") == "eagle4", eagle4_export_loader),
     "medusa": (lambda c: "medusa_num_heads" in c, medusa_export_proposer),
+    # a target checkpoint with MTP layers (drafters.export.mtp's, or as shipped): its layer 0 drafts
+    "mtp": (is_mtp_checkpoint, mtp_export_loader),
     # the EAGLE repository's configs may leave `bias` out (its loader then builds fc with one)
     "eagle1": (lambda c: c.get("num_hidden_layers") == 1 and c.get("architectures") in (
         ["LlamaForCausalLM"], ["LlamaForCausalLMEagle"]) and "draft_vocab_size" not in c, eagle1_export_loader),
