@@ -142,3 +142,34 @@ def train_tiny(tmp_path_factory, recipe: str, *overrides: str):
     module-scoped golden run of each family's test module."""
     out = tmp_path_factory.mktemp(Path(recipe).stem)
     return load_script("train/train.py").main([recipe, f"output_dir={out}", *overrides]), out
+
+
+# ---- the peer adapters' tests (tests/test_peer_*.py): one tiny EAGLE-3 store, read back row by row ----------------
+PEER_SETTINGS = {"kind": "matched", "num_layers": 1, "ttt_steps": 3, "step_weight": 0.8, "draft_vocab": 64, "lr": 1e-3,
+                 "schedule": "cosine", "warmup_steps": 0, "dtype": "bfloat16", "batch_size": 1, "epochs": 1,
+                 "max_length": 128, "seed": 0, "threads": 1}  # eval/peers.py's matched settings on the tiny target
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """train/features.py's EAGLE-3 store of the tiny recipe's 20 conversations."""
+    directory = tmp_path_factory.mktemp("features") / "eagle3"
+    load_script("train/features.py").main([str(ROOT / "recipes" / "eagle3_tiny.yaml"),
+                                           f"data.path={ROOT / 'tests' / 'data' / 'tiny_conversations.jsonl'}",
+                                           f"features.dir={directory}"])
+    return directory
+
+
+def stored(store):
+    """[(data row, input_ids, loss_mask, label_hidden (T, h), features (T, 3h))] in store order."""
+    from safetensors import safe_open
+
+    from drafters.training.features import FeatureStore, stored_examples
+
+    examples = []
+    for name, _ in FeatureStore.open(store).shards:
+        with safe_open(store / name, framework="pt") as shard:
+            label, features = shard.get_tensor("label_hidden"), shard.get_tensor("features")
+            for (row, _), ids, mask, (a, b) in stored_examples(store / name):
+                examples.append((row, ids, mask, label[a:b], features[a:b]))
+    return examples

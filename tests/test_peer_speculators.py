@@ -17,21 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 import drafters.peers.speculators as peer
-from conftest import greedy_reference, load_script
+from conftest import greedy_reference, PEER_SETTINGS as SETTINGS, stored
 from drafters.layers import ttt_label_mask
-from drafters.training.features import FeatureStore, stored_examples
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = str(ROOT / "recipes" / "eagle3_tiny.yaml")
-DATA = ROOT / "tests" / "data" / "tiny_conversations.jsonl"
 VENV = Path(os.environ.get("DRAFTERS_CONSUMERS_VENV", ROOT / ".venv-speculators"))
-SETTINGS = {"kind": "matched", "num_layers": 1, "ttt_steps": 3, "step_weight": 0.8, "draft_vocab": 64, "lr": 1e-3,
-            "schedule": "cosine", "warmup_steps": 0, "dtype": "bfloat16", "batch_size": 1, "epochs": 1,
-            "max_length": 128, "seed": 0, "threads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -42,27 +35,9 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("features") / "eagle3"
-    load_script("train/features.py").main([RECIPE, f"data.path={DATA}", f"features.dir={directory}"])
-    return directory
-
-
-@pytest.fixture(scope="module")
 def data(store, target, tmp_path_factory):
     out = tmp_path_factory.mktemp("speculators") / "data"
     return out, peer.convert(store, out, target=target)
-
-
-def stored(store):
-    """[(data row, input_ids, loss_mask, label_hidden (T, h), features (T, 3h))] in store order."""
-    examples = []
-    for name, _ in FeatureStore.open(store).shards:
-        with safe_open(store / name, framework="pt") as shard:
-            label, features = shard.get_tensor("label_hidden"), shard.get_tensor("features")
-            for (row, _), ids, mask, (a, b) in stored_examples(store / name):
-                examples.append((row, ids, mask, label[a:b], features[a:b]))
-    return examples
 
 
 def rms_norm(x, weight, eps):  # what speculators' verifier norm computes (Llama's RMSNorm)
