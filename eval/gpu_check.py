@@ -141,9 +141,15 @@ def decode_rows(checkpoint: Path, target, prompts: list[torch.Tensor]) -> list[d
 
 def correctness(device: torch.device, work: Path, say) -> list[dict]:
     prompts = list(torch.randint(3, 259, (2, 10), generator=torch.Generator().manual_seed(0)))
-    targets = {dtype: load_target("tiny-random-llama", dtype=dtype) for dtype in ("float32", "bfloat16")}
-    for target in targets.values():
-        target.model.to(device)
+    loaded = {}  # target name -> {dtype: Target on device}: each family decodes against its tiny recipe's target
+
+    def targets(name: str) -> dict:
+        if name not in loaded:
+            loaded[name] = {dtype: load_target(name, dtype=dtype) for dtype in ("float32", "bfloat16")}
+            for target in loaded[name].values():
+                target.model.to(device)
+        return loaded[name]
+
     rows = []
     for family in sorted(FAMILIES):
         start = time.perf_counter()
@@ -164,7 +170,7 @@ def correctness(device: torch.device, work: Path, say) -> list[dict]:
     return rows
 
 
-def check_family(family: str, device: torch.device, work: Path, targets: dict, prompts: list) -> dict:
+def check_family(family: str, device: torch.device, work: Path, targets, prompts: list) -> dict:
     # training and resume with deterministic kernels (cuBLAS workspace set at import; memory-efficient attention's
     # backward is deterministic only in the strict mode); an op without a deterministic kernel is named in the row
     # and the run is repeated in the warn-only mode
@@ -181,8 +187,9 @@ def check_family(family: str, device: torch.device, work: Path, targets: dict, p
                 raise
             row["nondeterministic_op"] = str(err).splitlines()[0][:300]
     torch.use_deterministic_algorithms(False)
-    fp32 = decode_rows(summary.checkpoint, targets["float32"], prompts)
-    bf16 = decode_rows(summary.checkpoint, targets["bfloat16"], prompts)
+    on_device = targets(summary.target.name)  # tiny-random-llama, or the MTP family's tiny-mtp-deepseek_v3
+    fp32 = decode_rows(summary.checkpoint, on_device["float32"], prompts)
+    bf16 = decode_rows(summary.checkpoint, on_device["bfloat16"], prompts)
     row |= {"fp32_identical": sum(r["identical"] for r in fp32), "decodes": len(fp32),
             "bf16_identical": sum(r["identical"] for r in bf16),
             "bf16_near_ties": [r for r in bf16 if not r["identical"]],

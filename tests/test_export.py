@@ -234,7 +234,7 @@ def test_refuses_other_family_for_engine_formats(tmp_path, target):
     medusa = save_checkpoint(tmp_path / "medusa", family="medusa", config={"num_heads": 2},
                              target=target_info(target),
                              state_dict={"heads.0.weight": torch.ones(2, 2)})
-    holds = {"sglang": "sglang holds EAGLE-3 and DFlash drafters",
+    holds = {"sglang": "sglang holds EAGLE-3, DFlash and DFlash2 drafters",
              "vllm": "vllm holds EAGLE-3, DFlash, DSpark, P-EAGLE and EAGLE-4 drafters"}
     for fmt in ("sglang", "vllm"):
         with pytest.raises(ExportError, match=f"export of a medusa checkpoint to {fmt} is not "
