@@ -213,7 +213,10 @@ def ttt_loss(drafter: Eagle3Drafter, batch: FeatureBatch, options: TTTOptions = 
     # padding rows are skipped). Every step's label row r = t+1+i is supervised iff loss_mask[r+1] = 1,
     # the same rows at all steps, so the target side is computed once there.
     rows, targets = supervised_targets(drafter, batch.target_logits, loss_mask, recompute=o.recompute)
-    num_positions = (batch.num_positions or batch_size * seq_len) if o.normalize == "positions" else None
+    if o.normalize == "positions":
+        num_positions = batch_size * seq_len if batch.num_positions is None else batch.num_positions
+    else:
+        num_positions = None
     metrics, step_logits = [], []
     for step, hidden in drafter.ttt_unroll(batch.features, batch.input_ids, batch.embed, o.steps):
         label_rows = ttt_label_rows(rows, step)  # (B, T-1-i) index into targets, -1 = none

@@ -479,7 +479,7 @@ class FeatureBatch:
     embed: torch.nn.Module  # the target's frozen token embedding
     # B x the batch's longest row, before collate's padding to data.pad_multiple (what a "positions"-normalised loss
     # divides by, so that padding changes nothing); None = B x T
-    num_positions: int | None = None
+    num_positions: int | Tensor | None = None
 
 
 class FeatureRun(RunBase):
@@ -494,9 +494,11 @@ class FeatureRun(RunBase):
     def micro_step(self, batch: dict, acc: StepMetrics | None) -> StepMetrics:
         """Forward + backward of one micro-batch; metrics are summed into `acc` as tensors."""
         features, target_logits = self.inputs(batch)
-        mask = batch["attention_mask"]  # (B, T); rows are right-padded, so the longest row is the max of its sums
+        # B x the longest row (rows are right-padded), a 0-d tensor: reading it on the host would add a device sync
+        # to every micro-step
+        mask = batch["attention_mask"]  # (B, T)
         out = self.objective(features, batch["input_ids"], target_logits, batch["loss_mask"],
-                             self.target.embed_tokens, num_positions=mask.shape[0] * int(mask.sum(1).max()))
+                             self.target.embed_tokens, num_positions=mask.shape[0] * mask.sum(1).max())
         self.accelerator.backward(out.loss / self.recipe.grad_accum)
         scale = 1.0 / self.recipe.grad_accum
         metrics = StepMetrics(loss=out.loss.detach() * scale, parts=out.step_losses.detach() * scale,
