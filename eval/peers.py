@@ -4,6 +4,8 @@ and each trainer's own defaults, measured the same way.
     python eval/peers.py --out outputs/peers/smollm2 --rows 150                  # every trainer, matched settings
     python eval/peers.py --out outputs/peers/smollm2 --rows 150 --settings matched defaults --seeds 0 1
     python eval/peers.py --out outputs/peers/smollm2 --report report/peers/smollm2.md   # the table again, no work
+    python eval/peers.py --out outputs/peers/smollm2-1m --rows 5120 --settings defaults --seeds 0 1 --curve 4 \
+        --trainers drafters-offline speculators specforge        # the 1M-token budget, with its curve
 
 Stages, each resumable (a rerun skips what is finished and retries what failed, so an interrupted run continues
 where it stopped):
@@ -18,9 +20,15 @@ where it stopped):
   train     each (trainer, settings, seed) as a subprocess, measured from outside by wait4: user and system CPU
             seconds, wall, peak RSS, minor page faults. Tokens per CPU-second = the training rows' tokens (the same
             number for every trainer) / (user + system), so startup and feature loading count for all alike.
+            Every trainer saves 4 x --curve times a run and resumes from its last save: a run cut off (the
+            harness killed with it) continues when the command is run again, and its row sums its attempts
+            (runs/NAME/attempt-NN.json; a cut-off attempt is counted to its last /proc sample, POLL_S apart).
+            speculators' mid-epoch saves overwrite each other, so the harness copies each as it appears.
   evaluate  every trainer's drafter decoded by OUR decoder (eval/tau.py: the peers' output directories load
             through drafters.export.eagle3_reader, ours from its checkpoint), MT-bench, chain of --chain,
-            temperature 0: tau and per-depth acceptance.
+            temperature 0: tau and per-depth acceptance; with --curve N, also each run's save nearest to every
+            1/N of its tokens (SpecForge's saves are training states: exported first), for the curve of acceptance
+            against tokens.
 
 Settings:
   matched   EAGLE-3, 1 layer, training-time test 3 steps at weight 0.8^i, draft vocabulary 16,384, AdamW lr 1e-3
@@ -40,6 +48,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,21 +94,105 @@ class Measured:
         return self.user_s + self.system_s
 
 
-def run_measured(command: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT) -> Measured:
+POLL_S = 15.0  # how often a running trainer's usage is sampled from /proc (what a cut-off attempt loses at most)
+
+
+def tree_usage(root: int) -> dict | None:
+    """Usage so far of process `root` and its live descendants, from /proc (None once `root` is gone): CPU seconds
+    summed over the live processes of utime + cutime (stime + cstime): the c-fields hold every descendant a process
+    has reaped, so workers that already exited are counted once; minor faults likewise; and the largest VmHWM, the
+    peak resident set of the biggest single process, which is what ru_maxrss reports."""
+    parent, stat = {}, {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()  # fields[0] is stat's field 3 (state); comm may hold spaces
+        pid = int(entry.name)
+        parent[pid], stat[pid] = int(fields[1]), fields
+    if root not in stat:
+        return None
+    tree, frontier = {root}, [root]
+    while frontier:
+        children = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree]
+        tree.update(children)
+        frontier = children
+    tick = os.sysconf("SC_CLK_TCK")
+    usage = {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0, "max_rss_bytes": 0}
+    for pid in tree:
+        f = stat[pid]
+        usage["minor_faults"] += int(f[7]) + int(f[8])
+        usage["user_s"] += (int(f[11]) + int(f[13])) / tick
+        usage["system_s"] += (int(f[12]) + int(f[14])) / tick
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    usage["max_rss_bytes"] = max(usage["max_rss_bytes"], int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+    return usage
+
+
+def run_measured(command: list[str], log: Path, env: dict | None = None, cwd: Path = ROOT,
+                 progress: Path | None = None, on_poll=None) -> Measured:
+    """Run `command`, measured by wait4 when it ends. Meanwhile, every POLL_S seconds, its usage so far is written
+    to `progress` (so an attempt cut off with this process, at a session's end, still counts all but its last
+    seconds) and `on_poll()` is called (the curve's snapshots)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    done = threading.Event()
+
+    def watch(pid: int) -> None:
+        peak = 0
+        while not done.wait(POLL_S):
+            usage = tree_usage(pid)
+            if usage is None:
+                return
+            peak = usage["max_rss_bytes"] = max(peak, usage["max_rss_bytes"])
+            if progress is not None:
+                write_json(progress, {**usage, "wall_s": time.perf_counter() - start, "complete": False})
+            if on_poll is not None:
+                on_poll()
+
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                    env={**os.environ, **(env or {})})
+        if progress is not None:  # at once: an attempt cut off before its first sample still counts as one
+            write_json(progress, {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0, "max_rss_bytes": 0,
+                                  "wall_s": 0.0, "complete": False})
+        watcher = threading.Thread(target=watch, args=(process.pid,), daemon=True)
+        watcher.start()
         try:
             _, status, usage = os.wait4(process.pid, 0)
         except BaseException:
             process.kill()
             process.wait()
             raise
+        finally:
+            done.set()
+            watcher.join()
     process.returncode = os.waitstatus_to_exitcode(status)
-    return Measured(process.returncode, time.perf_counter() - start, usage.ru_utime, usage.ru_stime,
-                    usage.ru_maxrss * 1024, usage.ru_minflt, str(log))
+    measured = Measured(process.returncode, time.perf_counter() - start, usage.ru_utime, usage.ru_stime,
+                        usage.ru_maxrss * 1024, usage.ru_minflt, str(log))
+    if progress is not None:
+        write_json(progress, {**asdict(measured), "complete": True})
+    if on_poll is not None:
+        on_poll()
+    return measured
+
+
+def attempts_total(directory: Path) -> dict:
+    """A run's usage over all its attempts (each resumed from the last one's checkpoint): CPU, wall and faults
+    summed, peak memory the largest. An attempt whose harness was cut off mid-run has only its last /proc sample,
+    so up to POLL_S seconds of it are missing: `complete_attempts` < `attempts` says so."""
+    parts = [json.loads(p.read_text()) for p in sorted(directory.glob("attempt-*.json"))]
+    total = {key: sum(p[key] for p in parts) for key in ("wall_s", "user_s", "system_s", "minor_faults")}
+    total["max_rss_bytes"] = max((p["max_rss_bytes"] for p in parts), default=0)
+    total.update(attempts=len(parts), complete_attempts=sum(p["complete"] for p in parts))
+    return total
 
 
 def last_lines(path: str, n: int = 3) -> str:
@@ -187,8 +280,33 @@ def threads_env(threads: int) -> dict:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
 
 
+SAVES_PER_POINT = 4  # saves per curve point: an interrupted run resumes from at most 1 / (curve x 4) of it back
+
+
+def our_steps(recipe: str, kind: str, rows: int, settings: dict) -> int:
+    """Optimizer steps of our one-epoch run over `rows` (batches of the recipe's or the matched batch size)."""
+    import yaml
+
+    batch = settings["batch_size"] if kind == "matched" else yaml.safe_load(Path(recipe).read_text())["batch_size"]
+    return -(-rows // batch)
+
+
+def our_saved(drafter_dir: Path) -> list[tuple[float, Path]]:
+    """(fraction of the run's tokens, checkpoint) for our run's checkpoint-<step> directories and its final one,
+    from each checkpoint's trainer/position.json (the tokens it had trained on)."""
+    def tokens(path: Path) -> int:
+        return json.loads((path / "trainer" / "position.json").read_text())["tokens"]
+
+    final = drafter_dir / "checkpoint-final"
+    total = tokens(final)
+    points = [(tokens(p) / total, p) for p in drafter_dir.glob("checkpoint-*")
+              if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer" / "position.json").is_file()]
+    return sorted(points) + [(1.0, final)]
+
+
 def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: str, seed: int) -> dict:
-    """One training run -> its row (measurement, or the reason it has none). Skipped when its result exists."""
+    """One training run -> its row (measurement, or the reason it has none). Skipped when its result exists; an
+    interrupted one resumes from its last save, and its row sums the attempts (attempt-NN.json)."""
     name = f"{trainer}-{kind}-s{seed}"
     run_dir = out / "runs" / name
     result_path = run_dir / "train.json"
@@ -196,13 +314,18 @@ def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: st
         done = json.loads(result_path.read_text())
         if "error" not in done:  # a failed run is tried again
             return done
-    settings = {**MATCHED, "kind": kind, "seed": seed, "threads": args.threads, "draft_vocab": args.draft_vocab}
+    save_fraction = 1 / (args.curve * SAVES_PER_POINT)
+    settings = {**MATCHED, "kind": kind, "seed": seed, "threads": args.threads, "draft_vocab": args.draft_vocab,
+                "save_fraction": save_fraction}
     row = {"trainer": trainer, "settings": kind, "seed": seed}
     try:
+        on_poll = None
         if trainer in OURS:
+            steps = our_steps(args.recipe, kind, len(training_rows(store)[0]), settings)
             command = [sys.executable, "train/train.py", args.recipe, f"target={args.target}", f"data.path={args.data}",
                        f"data.limit={args.rows}", f"output_dir={run_dir / 'drafter'}",
-                       *our_overrides(kind, settings)]
+                       *our_overrides(kind, settings), f"save_every={max(1, round(steps * save_fraction))}",
+                       "keep_last=0", "resume_from=latest"]
             if trainer == "drafters-offline":
                 command += [f"features.dir={store}", f"features.dtype={args.feature_dtype}"]
             env, drafter, fmt = threads_env(args.threads), run_dir / "drafter" / "checkpoint-final", "ours"
@@ -221,14 +344,21 @@ def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: st
             command, env = adapter.command(python, data, target_dir, run_dir / "out", settings)
             env = {**threads_env(args.threads), **env}
             drafter, fmt = None, None
-        measured = run_measured(command, run_dir / "train.log", env=env)
-        row.update(asdict(measured), cpu_s=measured.cpu_s, command=" ".join(map(str, command)), env=env)
+            if hasattr(adapter, "snapshot"):  # a peer whose saves overwrite each other: each copied as it appears
+                def on_poll():
+                    adapter.snapshot(run_dir / "out", run_dir / "out" / "curve", save_fraction)
+        attempt = len(list(run_dir.glob("attempt-*.json")))
+        measured = run_measured(command, run_dir / f"train-{attempt:02d}.log", env=env,
+                                progress=run_dir / f"attempt-{attempt:02d}.json", on_poll=on_poll)
+        total = attempts_total(run_dir)
+        row.update(total, returncode=measured.returncode, log=measured.log, cpu_s=total["user_s"] + total["system_s"],
+                   command=" ".join(map(str, command)), env=env)
         if measured.returncode:
             row["error"] = f"training exited {measured.returncode}: {last_lines(measured.log)}"
         elif drafter is None:
             drafter, fmt = adapter.exported(run_dir / "out")
-        if trainer in PEERS and not args.keep_converted:  # a copy of the store as big as it (5.6 GB at 1M tokens)
-            shutil.rmtree(run_dir / "data", ignore_errors=True)
+        if trainer in PEERS and not args.keep_converted and not measured.returncode:
+            shutil.rmtree(run_dir / "data", ignore_errors=True)  # a copy of the store as big as it (5.6 GB at 1M tokens)
         row["drafter"], row["format"] = (str(drafter), fmt) if drafter else (None, None)
     except Exception as error:  # a peer that cannot install or convert: its row says why, the others still run
         row["error"] = f"{type(error).__name__}: {error}"[:400]
@@ -236,22 +366,56 @@ def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: st
     return row
 
 
-def evaluate(args, out: Path, row: dict) -> dict:
-    """MT-bench tau and per-depth acceptance by our decoder. Skipped when its result exists."""
-    if row.get("error") or not row.get("drafter"):
-        return row
-    path = out / "runs" / f"{row['trainer']}-{row['settings']}-s{row['seed']}" / "bench.json"
+def measure(args, drafter: str, path: Path) -> dict:
+    """MT-bench tau and per-depth acceptance of one drafter by our decoder, kept in `path` (a rerun reads it)."""
     if not path.exists():
-        command = [sys.executable, "eval/tau.py", "--target", args.target, "--proposer", row["drafter"],
+        command = [sys.executable, "eval/tau.py", "--target", args.target, "--proposer", drafter,
                    "--bench", args.bench, "--limit", str(args.bench_limit), "--tree", f"chain:{args.chain}",
                    "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
                    "--no-baseline", "--json", str(path)]
         measured = run_measured(command, path.with_suffix(".log"), env=threads_env(args.threads))
         if measured.returncode or not path.exists():
-            row["error"] = f"our decoder could not measure it: {last_lines(measured.log)}"
-            return row
-    result = json.loads(path.read_text())
-    row.update(tau=result["tau"], per_depth_acceptance=result["per_depth_acceptance"], eval_json=str(path))
+            raise RuntimeError(f"our decoder could not measure {drafter}: {last_lines(measured.log)}")
+    return json.loads(path.read_text())
+
+
+def curve_points(curve: int, saved: list[tuple[float, Path]]) -> list[tuple[float, Path]]:
+    """Of a run's saves (fraction of the run, drafter; the last one the final drafter, 1.0), the ones nearest to
+    1/curve, 2/curve, ... (within half a step of the grid), then the final one."""
+    *middle, final = saved
+    points = []
+    for k in range(1, curve):
+        if middle:
+            fraction, path = min(middle, key=lambda s: abs(s[0] - k / curve))
+            if abs(fraction - k / curve) < 0.5 / curve and (fraction, path) not in points:
+                points.append((fraction, path))
+    return points + [final]
+
+
+def evaluate(args, out: Path, row: dict) -> dict:
+    """MT-bench tau and per-depth acceptance by our decoder: the final drafter's, and with --curve N each N-th of
+    the run's. Skipped where its result exists."""
+    if row.get("error") or not row.get("drafter"):
+        return row
+    run_dir = out / "runs" / f"{row['trainer']}-{row['settings']}-s{row['seed']}"
+    try:
+        result = measure(args, row["drafter"], run_dir / "bench.json")
+        row.update(tau=result["tau"], per_depth_acceptance=result["per_depth_acceptance"],
+                   eval_json=str(run_dir / "bench.json"))
+        if args.curve > 1:
+            adapter = None if row["trainer"] in OURS else load_adapter(row["trainer"])
+            saved = our_saved(run_dir / "drafter") if adapter is None else adapter.saved(run_dir / "out")
+            row["curve"] = []
+            for fraction, drafter in curve_points(args.curve, saved):
+                point = result
+                if fraction < 1.0:
+                    if row["trainer"] == "specforge":  # its saves are training states: exported first
+                        drafter = adapter.exported(run_dir / "out", drafter)[0]
+                    point = measure(args, str(drafter), run_dir / f"bench-{round(1000 * fraction):04d}.json")
+                row["curve"].append({"fraction": fraction, "tau": point["tau"],
+                                     "first_draft": point["per_depth_acceptance"][0]})
+    except Exception as error:
+        row["error"] = f"{type(error).__name__}: {error}"[:400]
     return row
 
 
@@ -265,9 +429,31 @@ def table(rows: list[dict], tokens: int) -> str:
             lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | failed: {r['error']} |||||||")
             continue
         lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | {tokens / r['cpu_s']:.0f} | "
-                     f"{r['wall_s']:.0f} | {r['cpu_s']:.0f} ({100 * r['system_s'] / r['cpu_s']:.0f}%) | "
+                     f"{r['wall_s']:.0f} | {r['cpu_s']:.0f} ({100 * r['system_s'] / r['cpu_s']:.0f}%){cut_off(r)} | "
                      f"{r['max_rss_bytes'] / 2**30:.2f} | {r['minor_faults'] / 1e6:.1f}M | "
                      f"{r['tau']:.3f} | {r['per_depth_acceptance'][0]:.3f} |")
+    return "\n".join(lines)
+
+
+def cut_off(row: dict) -> str:
+    """A note for a run some of whose attempts were cut off with the harness: their last POLL_S seconds are
+    missing from its CPU time."""
+    missing = row.get("attempts", 1) - row.get("complete_attempts", 1)
+    return f", {missing} of {row['attempts']} attempts cut off" if missing else ""
+
+
+def curve_table(rows: list[dict], supervised: int) -> str:
+    """First-draft acceptance (tau) against the supervised tokens trained on, a column per curve point."""
+    rows = [r for r in rows if r.get("curve")]
+    if not rows:
+        return ""
+    fractions = sorted({round(c["fraction"], 2) for r in rows for c in r["curve"]})
+    lines = ["| trainer | settings | seed | " + " | ".join(f"{f * supervised:,.0f} tokens" for f in fractions) + " |",
+             "|---|---|---|" + "---|" * len(fractions)]
+    for r in rows:
+        by = {round(c["fraction"], 2): c for c in r["curve"]}
+        cells = [f"{by[f]['first_draft']:.3f} ({by[f]['tau']:.3f})" if f in by else "" for f in fractions]
+        lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -293,6 +479,9 @@ def parse_args(argv):
     p.add_argument("--keep-converted", action="store_true",
                    help="keep each peer run's converted copy of the store (runs/NAME/data; removed once the run "
                         "ends, since a rerun converts again)")
+    p.add_argument("--curve", type=int, default=1,
+                   help="also measure each run at 1/N, 2/N, ... of its tokens (its saves then), for the curve of "
+                        "acceptance against tokens; 1 = the final drafters only")
     p.add_argument("--report", type=Path, default=None, help="also write the table here (markdown)")
     return p.parse_args(argv)
 
@@ -315,6 +504,9 @@ def main(argv=None) -> list[dict]:
     text = (f"{len(rows)} training rows of {args.data}, {tokens} tokens ({supervised} supervised); {args.bench}, "
             f"first {args.bench_limit} questions, all turns, {args.max_new_tokens} tokens a turn, chain of {args.chain}, "
             f"temperature 0; {args.threads} thread(s) per trainer.\n\n{table(results, tokens)}\n")
+    if args.curve > 1:
+        text += ("\nFirst-draft acceptance (tau) against the supervised tokens trained on (each run's save nearest "
+                 f"to every 1/{args.curve} of it):\n\n{curve_table(results, supervised)}\n")
     write_json(args.out / "peers.json", {"rows": len(rows), "tokens": tokens, "supervised": supervised,
                                           "results": results})
     print(text)

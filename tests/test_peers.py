@@ -4,6 +4,7 @@ on, measurement from outside the process (its descendants included), a row with 
 fails while the others still report, and a rerun that resumes instead of redoing."""
 
 import json
+import os
 import sys
 import types
 
@@ -100,3 +101,108 @@ def test_the_measurement_covers_the_processes_a_trainer_starts(tmp_path):
     assert measured.cpu_s >= 0.45 and measured.max_rss_bytes >= 300 * 2**20
     failed = PEERS.run_measured([sys.executable, "-c", "import sys; print('no data'); sys.exit(3)"], tmp_path / "log2")
     assert failed.returncode == 3 and PEERS.last_lines(failed.log) == "no data"
+
+
+def test_a_running_attempt_is_sampled_so_a_cut_off_one_still_counts(tmp_path, monkeypatch):
+    # a launcher whose worker burns CPU: while it runs, the /proc samples must see the worker's time (a descendant,
+    # alive) and, once it exits, keep it (the launcher's cutime); the final record is wait4's
+    monkeypatch.setattr(PEERS, "POLL_S", 0.1)
+    worker = "import time; t = time.process_time(); exec('while time.process_time() - t < 1.0: pass')"
+    launcher = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {worker!r}]); time.sleep(0.5)"
+    progress, seen = tmp_path / "attempt-00.json", []
+    measured = PEERS.run_measured([sys.executable, "-c", launcher], tmp_path / "log", progress=progress,
+                                  on_poll=lambda: seen.append(json.loads(progress.read_text())) if progress.exists() else None)
+    running = [s for s in seen if not s["complete"]]
+    assert running and max(s["user_s"] + s["system_s"] for s in running) >= 0.9  # the worker's second, mid-run
+    final = json.loads(progress.read_text())
+    assert final["complete"] and final["user_s"] == measured.user_s and measured.cpu_s >= 1.0
+    # a second attempt, cut off after its last sample: the run's total adds both, and says one was cut off
+    PEERS.write_json(tmp_path / "attempt-01.json", {**running[-1]})
+    total = PEERS.attempts_total(tmp_path)
+    assert total["attempts"] == 2 and total["complete_attempts"] == 1
+    assert total["user_s"] == pytest.approx(measured.user_s + running[-1]["user_s"])
+    assert "1 of 2 attempts cut off" in PEERS.cut_off(total)
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_drafter(ours, bench, tmp_path):
+    # the harness and its trainer killed mid-run (a session's hard end), then the same command again: the run
+    # continues from its last save, its row counts both attempts, and its drafter is the one an uninterrupted
+    # run trains (tests/test_resume.py holds our trainer's resume to bitwise equality)
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    done_out, rows = ours
+    out = tmp_path / "peers"
+    shutil.copytree(done_out, out, ignore=shutil.ignore_patterns("runs", "peers.json"))
+    args = tiny_args(out, bench, "--trainers", "drafters-offline", "--feature-dtype", "float32")
+    code = (f"import sys; sys.path.insert(0, 'tests'); from conftest import load_script; p = load_script('eval/peers.py'); "
+            f"p.POLL_S = 0.05; p.main({args!r})")
+    drafter = out / "runs" / "drafters-offline-matched-s0" / "drafter"
+    harness = subprocess.Popen([sys.executable, "-c", code], cwd=PEERS.ROOT, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(drafter.glob("checkpoint-[0-9]*")) and harness.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(harness.pid, signal.SIGKILL)
+    harness.wait()
+    assert not (drafter / "checkpoint-final").exists(), "the run ended before it could be cut off"
+    row, = PEERS.main(args)
+    assert row["attempts"] == 2 and row["complete_attempts"] == 1, row
+    first = json.loads((drafter.parent / "attempt-00.json").read_text())
+    assert row["user_s"] > first["user_s"] > 0
+    resumed, whole = (load_file(f"{d}/model.safetensors") for d in (row["drafter"], rows[0]["drafter"]))
+    assert resumed.keys() == whole.keys()
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_curve_takes_the_save_nearest_each_point_and_the_final_drafter():
+    saved = [(0.24, "a"), (0.26, "b"), (0.5, "c"), (0.71, "d"), (1.0, "final")]
+    assert PEERS.curve_points(4, saved) == [(0.24, "a"), (0.5, "c"), (0.71, "d"), (1.0, "final")]
+    # a point with no save within half a grid step is left out rather than stood in for by a far one
+    assert PEERS.curve_points(4, [(0.5, "c"), (1.0, "final")]) == [(0.5, "c"), (1.0, "final")]
+    assert PEERS.curve_points(1, saved) == [(1.0, "final")]
+
+
+def test_speculators_mid_epoch_saves_are_kept_as_they_overwrite_each_other(tmp_path):
+    # speculators 0.9.0 writes every mid-epoch save into out/<epoch>/ and points epoch<e>_step<N> at it, removing
+    # the previous link (trainer.py maybe_save_checkpoint); the end of the epoch links epoch<e>_end
+    import drafters.peers.speculators as speculators
+
+    out, curve = tmp_path / "out", tmp_path / "out" / "curve"
+    (out / "0").mkdir(parents=True)
+
+    def save(step, weights):
+        (out / "0" / "config.json").write_text(json.dumps({"step": step}))
+        (out / "0" / "model.safetensors").write_bytes(weights)
+        for link in out.glob("epoch0_*"):
+            link.unlink()
+        (out / f"epoch0_step{step}").symlink_to("0")
+
+    for step in (5, 10, 15):  # a fraction of 0.125 of a 40-step run: saves every 5 steps
+        save(step, bytes([step]) * 8)
+        speculators.snapshot(out, curve, 0.125)
+        speculators.snapshot(out, curve, 0.125)  # called again before the next save: nothing new
+    save(20, b"late")  # a save the run made after its last poll: never copied, but its step is not invented
+    assert sorted(p.name for p in curve.iterdir() if p.is_dir()) == ["step-10", "step-15", "step-5"]
+    assert (curve / "step-10" / "model.safetensors").read_bytes() == bytes([10]) * 8
+    (out / "epoch0_end").symlink_to("0")
+    saved = speculators.saved(out)
+    assert [round(f, 3) for f, _ in saved] == [0.125, 0.25, 0.375, 1.0]
+    assert saved[1][1] == curve / "step-10" and saved[-1][1] == out / "0"
+
+
+def test_specforge_checkpoints_are_its_complete_step_directories(tmp_path):
+    import drafters.peers.specforge as specforge
+
+    out = tmp_path / "out"
+    for step in (40, 80, 120):
+        (out / "train" / f"specforge-step{step}").mkdir(parents=True)
+    for step in (40, 120):  # step 80 has no state file yet: a save in progress, or one cut off
+        (out / "train" / f"specforge-step{step}" / "training_state.pt").write_bytes(b"state")
+    (out / "train" / "specforge-latest").symlink_to("specforge-step120")
+    (out / "peer.json").write_text(json.dumps({"steps": 160}))
+    assert specforge.saved(out) == [(0.25, out / "train" / "specforge-step40"),
+                                    (0.75, out / "train" / "specforge-step120")]

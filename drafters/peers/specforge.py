@@ -224,6 +224,10 @@ def write_vocab_mapping(store: Path, path: Path, size: int, rows: list[int] | No
                 if keep is None or row in keep]
     vocab = build_draft_vocab(examples, opened.index["target"]["vocab_size"], size=size)
     path = Path(path)
+    if path.is_file():  # SpecForge resumes only when the file its checkpoint names is untouched (its stat is recorded)
+        before = torch.load(path, weights_only=True)
+        if before["d2t"].equal(vocab.d2t) and before["t2d"].equal(vocab.t2d):
+            return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     torch.save({"d2t": vocab.d2t, "t2d": vocab.t2d}, tmp)
@@ -275,6 +279,11 @@ def command(python: Path, data: Path, target_dir: Path, out: Path, settings: dic
                  **({"max_length": settings["max_length"]} if settings.get("max_length") else {})},
         "training": {"num_epochs": settings["epochs"], "seed": settings["seed"], **(CPU_NEEDS if on_cpu else {})},
     }
+    if settings.get("save_fraction"):  # a checkpoint every fraction of the run, all kept: the curve's points and
+        steps = _steps(data, settings)  # what an interrupted run resumes from
+        config["training"].update(save_interval=max(1, round(steps * settings["save_fraction"])), max_checkpoints=0)
+    if checkpoints(out):
+        config["training"]["resume_from"] = str(out / "train")  # its newest complete checkpoint
     draft = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [layer - 1 for layer in store_layers]}}
     if settings["kind"] == "matched":
         config["training"].update(_matched(settings, data))
@@ -287,7 +296,7 @@ def command(python: Path, data: Path, target_dir: Path, out: Path, settings: dic
     write_text_atomic(out / "run.yaml", json.dumps(config, indent=2) + "\n")  # JSON is YAML
     write_draft_config(python, out / "run.yaml", out / "draft_config.json", draft)
     write_text_atomic(out / "peer.json", json.dumps({"peer": NAME, "version": VERSION, "python": str(python),
-                                                     "kind": settings["kind"]}) + "\n")
+                                                     "kind": settings["kind"], "steps": _steps(data, settings)}) + "\n")
     threads = str(settings["threads"])
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            **({"SPECFORGE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""} if on_cpu else {})}
@@ -301,13 +310,35 @@ def _matched(settings: dict, data: Path) -> dict:
         raise PeerError(f"{NAME} {VERSION} fixes the TTT step weight at 0.8 (step_weight={settings['step_weight']})")
     if settings["schedule"] not in ("cosine", "constant"):
         raise PeerError(f"{NAME} {VERSION} schedules cosine or constant, not {settings['schedule']!r}")
-    # SpecForge warms up int(warmup_ratio * total_steps) steps, total_steps = examples // batch_size * epochs
-    # (training/schedule.py): the ratio that lands on warmup_steps exactly
-    steps = len(list(data.rglob("*.ckpt"))) // settings["batch_size"] * settings["epochs"]
+    # SpecForge warms up int(warmup_ratio * total_steps) steps (training/schedule.py): the ratio that lands on
+    # warmup_steps exactly
+    steps = _steps(data, settings)
     warmup = settings["warmup_steps"]
     return {"learning_rate": settings["lr"], "lr_scheduler": settings["schedule"],
             "warmup_ratio": min(1.0, (warmup + 0.5) / steps) if warmup else 0.0,
             "ttt_length": settings["ttt_steps"], "batch_size": settings["batch_size"]}
+
+
+def _steps(data: Path, settings: dict) -> int:
+    """SpecForge's total_steps = examples // batch_size * epochs (training/schedule.py)."""
+    batch = settings["batch_size"] if settings["kind"] == "matched" else DEFAULTS["training.batch_size"]
+    return len(list(Path(data).rglob("*.ckpt"))) // batch * settings["epochs"]
+
+
+def checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """The complete training checkpoints under out/train (RUN_ID-stepN/ holding its state file), by step."""
+    found = []
+    for path in (Path(out) / "train").glob(f"{RUN_ID}-step*"):
+        step = path.name.removeprefix(f"{RUN_ID}-step")
+        if step.isdigit() and not path.is_symlink() and (path / "training_state.pt").is_file():
+            found.append((int(step), path))
+    return sorted(found)
+
+
+def saved(out: Path) -> list[tuple[float, Path]]:
+    """(fraction of the run, checkpoint) for every checkpoint kept so far: exported(out, checkpoint) decodes one."""
+    steps = json.loads((Path(out) / "peer.json").read_text())["steps"]
+    return [(step / steps, path) for step, path in checkpoints(out)]
 
 
 def _aux_layers(data: Path) -> list[int]:
@@ -344,12 +375,13 @@ def write_draft_config(python: Path, run_config: Path, path: Path, update: dict)
 # ---- the output --------------------------------------------------------------------------------------------------
 
 
-def exported(out: Path) -> tuple[Path, str]:
+def exported(out: Path, checkpoint: Path | None = None) -> tuple[Path, str]:
     """SpecForge's run directory holds training checkpoints (train/specforge-stepN/training_state.pt); its own
-    `specforge export --to sglang` turns the last one into the serving layout (config.json + model.safetensors:
-    midlayer.* / fc / norm / lm_head, d2t, t2d), done here once. -> (out/export, "sglang")."""
+    `specforge export --to sglang` turns the last one (or `checkpoint`, one of them) into the serving layout
+    (config.json + model.safetensors: midlayer.* / fc / norm / lm_head, d2t, t2d), done here once.
+    -> (out/export or out/export-stepN, "sglang")."""
     out = Path(out).resolve()
-    export = out / "export"
+    export = out / ("export" if checkpoint is None else f"export-{Path(checkpoint).name.removeprefix(RUN_ID + '-')}")
     if (export / "config.json").is_file() and (export / "model.safetensors").is_file():
         return export, "sglang"
     peer = json.loads((out / "peer.json").read_text()) if (out / "peer.json").is_file() else None
@@ -357,7 +389,8 @@ def exported(out: Path) -> tuple[Path, str]:
         raise PeerError(f"{out}: no {NAME} training run here (run command() and its training first)")
     tmp = out / f".export.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _run([peer["python"], "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint", str(out / "train"),
+    _run([peer["python"], "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint",
+          str(out / "train" if checkpoint is None else checkpoint),
           "--draft-config", str(out / "draft_config.json"), "--output-dir", str(tmp)],
          "exporting the checkpoint", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     move_dir_into_place(tmp, export, str(os.getpid()))

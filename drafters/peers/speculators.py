@@ -36,7 +36,9 @@ bf16 rounding of x', as the store rounds label_hidden).
 """
 
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,7 +47,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafters.files import move_dir_into_place
+from drafters.files import move_dir_into_place, write_text_atomic
 from drafters.peers import PeerError
 from drafters.targets import load_target
 from drafters.training.features import FeatureStore, stored_examples
@@ -58,6 +60,8 @@ PATCHES: list[tuple[str, str]] = [
     ("speculators-0.9.0-cpu-device.patch",
      "its Trainer falls back to 'cuda' without an accelerator, moves model and batches to the integer local_rank "
      "(cuda:0) and calls torch.accelerator.synchronize() unguarded: on a CPU-only torch all three fail"),
+    ("speculators-0.9.0-cpu-resume.patch",
+     "resuming an interrupted run loads its checkpoint onto get_current_device(), 'cuda:0' without an accelerator"),
 ]
 FORMAT = "speculators-0.9.0-offline/1"  # convert.json's format: what this module writes
 MANIFEST = "convert.json"
@@ -287,6 +291,8 @@ def command(python: Path, data: Path, target_dir: Path, out: Path, settings: dic
             "--train-data-ratio", repr((manifest["rows"] + 0.5) / (manifest["rows"] + 1))]
     if settings.get("max_length") is not None:
         argv += ["--total-seq-len", str(settings["max_length"])]
+    if settings.get("save_fraction"):  # mid-epoch saves (each overwrites out/<epoch>/; snapshot() keeps them) that
+        argv += ["--checkpoint-freq", repr(settings["save_fraction"])]  # an interrupted run also resumes from
     if settings["kind"] == "matched":
         argv += _matched(settings)
     elif settings["kind"] != "defaults":
@@ -322,3 +328,64 @@ def exported(out: Path) -> tuple[Path, str]:
     if not epochs:
         raise PeerError(f"{out}: no saved epoch (out/<epoch>/config.json): did the training finish?")
     return epochs[-1][1], "vllm"
+
+
+# ---- the curve: speculators' mid-epoch saves overwrite out/<epoch>/, so each is copied as it appears ---------------
+
+SAVED_LINK = re.compile(r"^epoch(\d+)_step(\d+)$")  # the link it points at out/<epoch>/ after a mid-epoch save
+
+
+def snapshot(out: Path, curve: Path, save_fraction: float) -> None:
+    """Copy the drafter of the newest mid-epoch save (config.json + model.safetensors, the vLLM layout; not the
+    optimizer) to curve/step-N, once. Called every few seconds while the run goes: a save overwrites the last one
+    minutes later, and a copy that a new save overlapped (the link moved, or the weights changed under it) is
+    dropped and taken again at the next call."""
+    out, curve = Path(out), Path(curve)
+    links = [(int(m[2]), path) for path in (out.iterdir() if out.is_dir() else ())
+             if path.is_symlink() and (m := SAVED_LINK.match(path.name))]
+    if not links:
+        return
+    step, link = max(links)
+    observed = curve / "observed.json"
+    record = json.loads(observed.read_text()) if observed.is_file() else {"save_fraction": save_fraction, "steps": []}
+    if step not in record["steps"]:
+        record["steps"] = sorted(record["steps"] + [step])
+        curve.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(observed, json.dumps(record) + "\n")
+    dest = curve / f"step-{step}"
+    if dest.is_dir():
+        return
+    source = link.resolve()
+    weights = source / "model.safetensors"
+    try:
+        before = weights.stat().st_mtime_ns
+        tmp = curve / f".step-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(source / name, tmp / name)
+        if weights.stat().st_mtime_ns != before or not link.is_symlink():
+            shutil.rmtree(tmp)
+            return
+        tmp.rename(dest)
+    except OSError:
+        shutil.rmtree(curve / f".step-{step}.tmp", ignore_errors=True)
+
+
+def saved(out: Path) -> list[tuple[float, Path]]:
+    """(fraction of the run, drafter) for every save snapshot() copied, and the final one (1.0). Saves land at
+    multiples of interval = round(steps x save_fraction), so step N is N / interval x save_fraction of the run;
+    the interval is the gcd of the steps seen."""
+    curve = Path(out) / "curve"
+    found = []
+    observed = curve / "observed.json"
+    if observed.is_file():
+        record = json.loads(observed.read_text())
+        interval = math.gcd(*record["steps"])
+        found = sorted((step / interval * record["save_fraction"], curve / f"step-{step}") for step in record["steps"]
+                       if (curve / f"step-{step}" / "model.safetensors").is_file())
+    try:
+        found.append((1.0, exported(out)[0]))
+    except PeerError:
+        pass
+    return found
