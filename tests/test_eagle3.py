@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -605,3 +607,49 @@ def test_norm_output_fused_loss_equals_the_logits_path(tiny_llama):
         reference = ttt_loss(drafter, batch, TTTOptions(steps=STEPS), return_logits=True)
         fused = ttt_loss(drafter, batch, TTTOptions(steps=STEPS))
     torch.testing.assert_close(fused.step_losses, reference.step_losses, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_dpace_step_weights_are_the_gradient_of_the_expected_accepted_length(alpha):
+    # E[L] = sum_j prod_{k<=j} s_k with s_k = (1 - alpha) a_k + alpha: the weight of step i is dE[L] / dlog s_i,
+    # here by autograd, independently of dpace_step_weights' closed form; relative to step 0's
+    from drafters.training.eagle3 import dpace_step_weights
+
+    accuracies = torch.tensor([0.55, 0.3, 0.2, 0.1])
+    log_s = torch.log((1 - alpha) * accuracies + alpha).requires_grad_()
+    expected_length = torch.cumprod(log_s.exp(), 0).sum()
+    (grad,) = torch.autograd.grad(expected_length, log_s)
+    weights = dpace_step_weights(accuracies, torch.ones(4), alpha)
+    torch.testing.assert_close(weights, grad / grad[0])
+    if alpha == 1.0:  # no acceptance left in it: K - i, scaled
+        torch.testing.assert_close(weights, torch.tensor([4.0, 3.0, 2.0, 1.0]) / 4)
+    # a step with nothing counted (every row too short for it) multiplies the chain by 1, as a sure acceptance
+    skipped = dpace_step_weights(torch.tensor([0.55, 0.0, 0.2, 0.1]), torch.tensor([5, 0, 3, 2]), alpha)
+    torch.testing.assert_close(skipped, dpace_step_weights(torch.tensor([0.55, 1.0, 0.2, 0.1]), torch.ones(4), alpha))
+
+
+def test_ttt_loss_weighs_steps_by_dpace_when_asked(setup):
+    from drafters.training.eagle3 import dpace_step_weights
+
+    model, drafter, features, input_ids, logits, loss_mask = setup
+    batch = FeatureBatch(features, input_ids, logits, loss_mask, model.get_input_embeddings())
+    fixed = ttt_loss(drafter, batch, TTTOptions(steps=STEPS))
+    dpace = ttt_loss(drafter, batch, TTTOptions(steps=STEPS, step_weights="dpace", dpace_alpha=0.5))
+    torch.testing.assert_close(dpace.step_losses, fixed.step_losses)  # the weights alone differ
+    weights = dpace_step_weights(fixed.step_accuracies, fixed.step_counts, 0.5)
+    torch.testing.assert_close(dpace.loss, (weights * fixed.step_losses).sum())
+    assert not torch.allclose(dpace.loss, fixed.loss)
+    dpace.loss.backward()  # the weights are constants: the gradient flows through the step losses only
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in drafter.parameters())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"step_weights": "learned"}, "eagle3.step_weights='learned': use fixed"),
+    ({"dpace_alpha": 1.5}, r"eagle3.dpace_alpha=1.5 must be in \[0, 1\]"),
+])
+def test_step_weight_settings_are_checked(change, message):
+    from drafters.training.eagle3 import Eagle3Options, check_eagle3
+
+    problems = check_eagle3(Eagle3Options(**change), None)
+    assert len(problems) == 1
+    assert re.search(message, problems[0]), problems

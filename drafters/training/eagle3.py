@@ -26,7 +26,11 @@ from drafters.training.schema import DraftVocabRecipe, DrafterNorms, FeatureReci
 @dataclass
 class Eagle3Options:  # the recipe's `eagle3:` section: what EAGLE-3 alone reads
     ttt_steps: int = 7
-    step_weight: float = 0.8  # the loss of TTT step i weighs step_weight ** i
+    step_weight: float = 0.8  # the loss of TTT step i weighs step_weight ** i (step_weights: fixed)
+    # fixed: step_weight ** i; dpace: each batch's weights from D-PACE's derivation (dpace_step_weights), which
+    # follow the drafter's measured acceptance per step instead of a constant decay
+    step_weights: Literal["fixed", "dpace"] = "fixed"
+    dpace_alpha: float = 0.5  # dpace: the smoothing of each step's acceptance towards 1 (SpecForge's default)
     # each position's loss adds tv_weight x the total variation distance between the target's and the draft's
     # distributions (1 - P(a sampled draft is accepted); drafters.losses.soft_cross_entropy)
     tv_weight: float = 0.0
@@ -71,6 +75,12 @@ def check_eagle3(o: Eagle3Options, init_from: str | None) -> list[str]:
         problems.append(f"eagle3.ttt_steps={o.ttt_steps} must be >= 1")
     if o.step_weight <= 0:
         problems.append(f"eagle3.step_weight={o.step_weight} must be > 0")
+    if o.step_weights not in ("fixed", "dpace"):
+        problems.append(f"eagle3.step_weights={o.step_weights!r}: use fixed (step_weight ** i) or dpace (from the "
+                        "acceptance measured per step)")
+    if not 0.0 <= o.dpace_alpha <= 1.0:
+        problems.append(f"eagle3.dpace_alpha={o.dpace_alpha} must be in [0, 1] (0 = the raw acceptance, 1 = none: "
+                        "weights K - i)")
     if o.tv_weight < 0:
         problems.append(f"eagle3.tv_weight={o.tv_weight} must be >= 0 (0 = the divergence alone)")
     if o.divergence not in DIVERGENCES:
@@ -182,6 +192,8 @@ class TTTOptions:
 
     steps: int = 7  # K TTT steps
     step_weight: float = 0.8
+    step_weights: str = "fixed"  # or "dpace": dpace_step_weights of the batch's step accuracies
+    dpace_alpha: float = 0.5
     tv_weight: float = 0.0
     divergence: str = "kl"
     # positions: loss_i sums over counted positions / (B*T), the official trainer's and SpecForge's "averaged over
@@ -193,7 +205,23 @@ class TTTOptions:
 
     @classmethod
     def of(cls, o: Eagle3Options) -> "TTTOptions":  # the recipe's eagle3 section
-        return cls(o.ttt_steps, o.step_weight, o.tv_weight, o.divergence, recompute=o.vocab_memory == "recompute")
+        return cls(o.ttt_steps, o.step_weight, o.step_weights, o.dpace_alpha, o.tv_weight, o.divergence,
+                   recompute=o.vocab_memory == "recompute")
+
+
+def dpace_step_weights(accuracies: Tensor, counts: Tensor, alpha: float) -> Tensor:
+    """D-PACE's position weights (Eq. of its expected-acceptance objective) taken to the TTT steps. A chain of K
+    drafts is accepted to depth j with probability prod_{k<=j} a_k (a_k: step k's acceptance), so the expected
+    accepted length is E[L] = sum_j prod_{k<=j} a_k, and dE[L] / dlog a_i = sum_{j>=i} prod_{k<=j} a_k: step i's
+    log-likelihood is weighted by that suffix of prefix products, with a_k smoothed to s_k = (1 - alpha) a_k + alpha
+    (alpha = 1: weights K - i) and detached. a_k here is step k's argmax accuracy on the batch (greedy acceptance of
+    the draft at depth k); a step with no counted position multiplies by 1. Scaled so that w_0 = 1, as 0.8^0.
+    accuracies, counts (K,) -> w (K,)"""
+    s = (1.0 - alpha) * accuracies.detach().float() + alpha
+    s = torch.where(counts > 0, s, torch.ones_like(s))
+    prefix = torch.cumprod(s, 0)  # P(accepted to depth j), smoothed
+    suffix = prefix.flip(0).cumsum(0).flip(0)  # sum_{j >= i}
+    return suffix / suffix[0]
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: FeatureBatch, options: TTTOptions = TTTOptions(), *,
@@ -241,7 +269,10 @@ def ttt_loss(drafter: Eagle3Drafter, batch: FeatureBatch, options: TTTOptions = 
                                            tv_weight=o.tv_weight, divergence=o.divergence, target_rows=counted_rows,
                                            recompute=o.recompute))
     step_losses, step_accuracies, step_counts = (torch.stack(m) for m in zip(*metrics))
-    weights = o.step_weight ** torch.arange(o.steps, device=step_losses.device)  # 0.8^i
+    if o.step_weights == "dpace":
+        weights = dpace_step_weights(step_accuracies, step_counts, o.dpace_alpha)
+    else:
+        weights = o.step_weight ** torch.arange(o.steps, device=step_losses.device)  # 0.8^i
     return TTTOutput(loss=(weights * step_losses).sum(), step_losses=step_losses,
                      step_accuracies=step_accuracies, step_counts=step_counts, step_logits=step_logits)
 
