@@ -157,3 +157,39 @@ def test_a_stage_whose_data_file_is_not_there_is_refused_before_any_stage_trains
                                           r"yet; make it first"):
         eagle.main([str(recipe), f"output_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run" / "stage-1-first").exists()
+
+
+def test_the_recipes_measure_decodes_the_final_drafter_once_and_says_where_its_export_is(staged, tmp_path, capsys):
+    # the staged run again with a `measure:` section: every stage is finished, so nothing trains; the final drafter
+    # (the link to stage 2's) is decoded as the section says, and its result kept: a third run decodes nothing
+    import json
+
+    from drafters.decode.evaluate import Options, measure
+
+    recipe, out = staged
+    bench = tmp_path / "prompts.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc abc abc", "hello hello", "x y")))
+    section = f'measure={{"bench": "{bench}", "limit": 2, "max_new_tokens": 8, "tree": "chain:2"}}'
+    capsys.readouterr()
+    eagle.main([str(recipe), f"output_dir={out}", section])
+    said = capsys.readouterr().out
+    report = out / "measure-prompts.json"
+    result = json.loads(report.read_text())
+    assert result["limit"] == 2 and result["max_new_tokens"] == 8 and result["tree"] == "chain:2"
+    assert result["proposer_sha256"] == measure(Options(target=result["target"], proposer=str(out / "stage-2-second" / "checkpoint-final"),
+                                                        bench=str(bench), tree="chain:2", limit=2, max_new_tokens=8,
+                                                        no_baseline=True))["proposer_sha256"]  # stage 2's drafter
+    depths = " ".join(f"{a:.3f}" for a in result["per_depth_acceptance"])
+    assert f"greedy: tau {result['tau']:.3f}, acceptance by depth [{depths}]" in said
+    # no GGUF for the tiny target (no build, or llama.cpp's converter does not know its tokenizer): one line, and
+    # the run still ends normally
+    assert "measure: no llama.cpp export: " in said and "Traceback" not in said
+    stamp = report.stat().st_mtime_ns
+    eagle.main([str(recipe), f"output_dir={out}", section])
+    assert report.stat().st_mtime_ns == stamp and "measure: decoding" not in capsys.readouterr().out
+
+
+def test_a_bad_measure_section_is_refused_before_anything_trains(tmp_path):
+    with pytest.raises(RecipeError, match=r"measure.limit=0 must be >= 1 or null"):
+        eagle.main([RECIPE, f"output_dir={tmp_path / 'run'}", 'measure={"limit": 0}'])
+    assert not (tmp_path / "run").exists()

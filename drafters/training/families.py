@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from accelerate.utils import set_seed
 
@@ -50,6 +51,7 @@ from drafters.training.heads import (
 from drafters.errors import Stopped
 from drafters.training.loop import FeatureRun, Summary, fit, start_run
 from drafters.training.mtp import MtpRecipe, build_mtp, evaluate_mtp, mtp_inputs_fn
+from drafters.training.measure import measure_trained
 from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, apply_override, read_recipe, to_dict
@@ -240,7 +242,13 @@ def train_main(argv: list[str], script: str, default: str = DEFAULT_FAMILY) -> S
     if not argv:
         raise SystemExit(f"usage: python {script} RECIPE.yaml [key=value ...]   (any family: the recipe's `drafter`)")
     recipe = load_recipe(argv, default)
-    return train(recipe) if recipe.stages is None else train_stages(argv, recipe, default)
+    summary = train(recipe) if recipe.stages is None else train_stages(argv, recipe, default)
+    if recipe.measure is not None and os.environ.get("RANK", "0") == "0":
+        if summary is not None:  # its target and drafter go before the decoder loads them again
+            summary.target = summary.drafter = None
+        measure_trained(recipe.target, Path(recipe.output_dir) / "checkpoint-final", Path(recipe.output_dir),
+                        recipe.measure, recipe.threads, print)
+    return summary
 
 
 def train_stages(argv: list[str], recipe, default: str = DEFAULT_FAMILY) -> Summary | None:

@@ -229,7 +229,8 @@ def resumable(path: Path) -> Path:
 # Recipe keys that may change between a run and its resumption without changing what is trained.
 RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "trust_checkpoint", "output_dir",
                      "max_steps",
-                     "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name"}
+                     "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name",
+                     "measure"}
 
 
 def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | None = None) -> list[str]:

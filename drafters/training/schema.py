@@ -91,6 +91,26 @@ class Optim:
         return found
 
 
+@dataclass
+class Measure:
+    """What train/train.py measures once the recipe is trained (drafters.training.measure): our decoder's tau and
+    acceptance by depth, greedy, and a llama.cpp export."""
+
+    bench: str = "mt_bench"  # mt_bench | humaneval | a JSONL file of prompts (eval/tau.py --bench)
+    limit: int | None = 80  # the first N questions, every turn of each; null = all
+    max_new_tokens: int = 32  # per turn
+    tree: str = "chain:3"  # eval/tau.py --tree
+    llama_cpp: bool = True  # also export the drafter as GGUF for llama.cpp (where the project's build is)
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.limit is not None and self.limit < 1:
+            found.append(f"measure.limit={self.limit} must be >= 1 or null (every question)")
+        if self.max_new_tokens < 1:
+            found.append(f"measure.max_new_tokens={self.max_new_tokens} must be >= 1")
+        return found
+
+
 @dataclass(kw_only=True)
 class TrainRecipe:
     """What every training script's recipe has; each script's Recipe adds its family's fields."""
@@ -137,6 +157,9 @@ class TrainRecipe:
     # optim.lr, features.dir, ...), trained into output_dir/stage-<i>-<name>/ from the previous stage's
     # checkpoint-final, resumable as a whole (drafters.training.stages); null = one run into output_dir
     stages: list[dict] | None = None
+    # what the final drafter is worth, printed once training ends: tau and acceptance by depth in our decoder, and
+    # its llama.cpp export (drafters.training.measure); null = nothing
+    measure: Measure | None = None
 
     def problems(self) -> list[str]:
         """Every problem with the fields all training scripts share (batching, steps, checkpoints,
@@ -149,7 +172,7 @@ class TrainRecipe:
                   ("epochs", "max_steps") if getattr(self, name) is not None and getattr(self, name) < 1]
         if self.epochs is None and self.max_steps is None:
             found.append("set epochs or max_steps (or both: whichever ends first)")
-        return found + self.data.problems() + self.optim.problems()
+        return found + self.data.problems() + self.optim.problems() + (self.measure.problems() if self.measure else [])
 
 
 @dataclass
