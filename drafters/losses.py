@@ -297,6 +297,21 @@ def fused_chunks(ctx, x: Tensor, weight: Tensor, target_p, target_rows: Tensor |
     return (grad_x, grad_w) if grads else None
 
 
+def dpace_weights(confidence: Tensor, counted: Tensor, alpha: float) -> Tensor:
+    """D-PACE's weights (arXiv 2605.18810) along the last dimension, a chain of drafts j = 1..J, detached: DFlash's
+    block slots ((B, N, Bk-1): confidence = the draft's probability of the target's argmax at slot j, q_j) and
+    EAGLE-3's TTT steps ((K,): each step's accuracy on the batch). counted: the same shape, bool. With
+    s_j = (1 - alpha) q_j + alpha at counted slots and 1 elsewhere, P_j = prod_{i <= j} s_i (a smooth probability
+    that slots 1..j are all accepted) and tau ~ sum_j counted_j P_j (the chain's expected accepted length), the
+    weight of slot j's cross-entropy is
+        w_j = sum_{m >= j} counted_m P_m = d tau / d log s_j,
+    what raising slot j's log-probability is worth to the accepted length: the first slots weigh most while they
+    end most prefixes, and the weight moves to later slots as the first ones become reliable."""
+    smooth = torch.where(counted, (1 - alpha) * confidence.float() + alpha, 1.0)
+    prefix = torch.cumprod(smooth, dim=-1)  # (..., J) P_j
+    return (prefix * counted).flip(-1).cumsum(-1).flip(-1)  # (..., J) w_j = sum_{m >= j} counted_m P_m
+
+
 LOSS_CHUNK_ELEMENTS = 2**23  # (c, Vd) float32 logits of one fused-loss chunk: 32 MB, whatever Vd
 LOSS_CHUNK_MAX_ROWS = 256  # and no more rows than this (the chunk's matmuls are large enough by then)
 

@@ -26,7 +26,8 @@ from drafters.dflash import (
 from drafters.draft_vocab import DraftVocab
 from drafters.eagle3 import fuse_features
 from drafters.tiny import build_tiny_target
-from drafters.training.dflash import BlockLossOptions, block_loss, decay_weights, dpace_weights
+from drafters.losses import dpace_weights
+from drafters.training.dflash import BlockLossOptions, block_loss, decay_weights
 from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
 

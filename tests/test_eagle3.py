@@ -623,9 +623,11 @@ def test_dpace_step_weights_are_the_gradient_of_the_expected_accepted_length(alp
     torch.testing.assert_close(weights, grad / grad[0])
     if alpha == 1.0:  # no acceptance left in it: K - i, scaled
         torch.testing.assert_close(weights, torch.tensor([4.0, 3.0, 2.0, 1.0]) / 4)
-    # a step with nothing counted (every row too short for it) multiplies the chain by 1, as a sure acceptance
+    # a step with nothing counted (every row too short for it) multiplies the chain by 1 and is left out of the sums
     skipped = dpace_step_weights(torch.tensor([0.55, 0.0, 0.2, 0.1]), torch.tensor([5, 0, 3, 2]), alpha)
-    torch.testing.assert_close(skipped, dpace_step_weights(torch.tensor([0.55, 1.0, 0.2, 0.1]), torch.ones(4), alpha))
+    s = (1 - alpha) * torch.tensor([0.55, 1.0, 0.2, 0.1]) + alpha
+    p0, p2, p3 = s[0], s[0] * s[2], s[0] * s[2] * s[3]
+    torch.testing.assert_close(skipped, torch.stack([p0 + p2 + p3, p2 + p3, p2 + p3, p3]) / (p0 + p2 + p3))
 
 
 def test_ttt_loss_weighs_steps_by_dpace_when_asked(setup):

@@ -24,7 +24,8 @@ from drafters.dflash import (
     sample_anchors,
 )
 from drafters.draft_vocab import DraftVocab
-from drafters.losses import chunked_draft_vocab_targets, linear_soft_cross_entropy, soft_cross_entropy, table_rows
+from drafters.losses import (chunked_draft_vocab_targets, dpace_weights, linear_soft_cross_entropy, soft_cross_entropy,
+                             table_rows)
 from drafters.training.data import choose_mask_token
 from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
@@ -114,19 +115,6 @@ def decay_weights(block_size: int, gamma: float, device=None) -> Tensor:
     """(B,) per-slot loss weights: w_0 = 0 (the anchor predicts nothing), w_j = exp(-(j-1) / gamma)."""
     j = torch.arange(block_size, device=device, dtype=torch.float32)
     return torch.where(j > 0, torch.exp(-(j - 1).clamp(min=0) / gamma), 0.0)
-
-
-def dpace_weights(confidence: Tensor, counted: Tensor, alpha: float) -> Tensor:
-    """D-PACE's slot weights (arXiv 2605.18810), detached: confidence (B, N, Bk-1) = the draft's probability of the
-    target's argmax at slot j (q_j), counted (B, N, Bk-1) bool. With s_j = (1 - alpha) q_j + alpha at counted slots
-    and 1 elsewhere, P_j = prod_{i <= j} s_i (a smooth probability that slots 1..j are all accepted) and
-    tau ~ sum_j counted_j P_j (the block's expected accepted length), the weight of slot j's cross-entropy is
-        w_j = sum_{m >= j} counted_m P_m = d tau / d log s_j,
-    what raising slot j's log-probability is worth to the accepted length: the first slots weigh most while they
-    end most prefixes, and the weight moves to later slots as the first ones become reliable."""
-    smooth = torch.where(counted, (1 - alpha) * confidence.float() + alpha, 1.0)
-    prefix = torch.cumprod(smooth, dim=-1)  # (B, N, Bk-1) P_j
-    return (prefix * counted).flip(-1).cumsum(-1).flip(-1)  # (B, N, Bk-1) w_j = sum_{m >= j} counted_m P_m
 
 
 @dataclass

@@ -16,7 +16,7 @@ from drafters.acceptance import chain_tau
 from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.layers import ENGINE_AUX_LAYERS, ttt_label_mask, ttt_label_rows
-from drafters.losses import DIVERGENCES, LabelLogits, soft_cross_entropy, supervised_targets
+from drafters.losses import DIVERGENCES, LabelLogits, dpace_weights, soft_cross_entropy, supervised_targets
 from drafters.targets import FrozenHead, Target, default_eagle3_layers
 from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
@@ -210,18 +210,13 @@ class TTTOptions:
 
 
 def dpace_step_weights(accuracies: Tensor, counts: Tensor, alpha: float) -> Tensor:
-    """D-PACE's position weights (Eq. of its expected-acceptance objective) taken to the TTT steps. A chain of K
-    drafts is accepted to depth j with probability prod_{k<=j} a_k (a_k: step k's acceptance), so the expected
-    accepted length is E[L] = sum_j prod_{k<=j} a_k, and dE[L] / dlog a_i = sum_{j>=i} prod_{k<=j} a_k: step i's
-    log-likelihood is weighted by that suffix of prefix products, with a_k smoothed to s_k = (1 - alpha) a_k + alpha
-    (alpha = 1: weights K - i) and detached. a_k here is step k's argmax accuracy on the batch (greedy acceptance of
-    the draft at depth k); a step with no counted position multiplies by 1. Scaled so that w_0 = 1, as 0.8^0.
-    accuracies, counts (K,) -> w (K,)"""
-    s = (1.0 - alpha) * accuracies.detach().float() + alpha
-    s = torch.where(counts > 0, s, torch.ones_like(s))
-    prefix = torch.cumprod(s, 0)  # P(accepted to depth j), smoothed
-    suffix = prefix.flip(0).cumsum(0).flip(0)  # sum_{j >= i}
-    return suffix / suffix[0]
+    """D-PACE's weights (drafters.losses.dpace_weights) over the TTT steps, a chain of K drafts: a_k, step k's
+    accuracy on the batch, stands for the acceptance of the draft at depth k, so that step i's weight is
+    dE[L]/dlog s_i = sum_{j>=i} prod_{k<=j} s_k (E[L] = sum_j prod_{k<=j} s_k, the smoothed expected accepted
+    length); a step with nothing counted is left out. Scaled so that w_0 = 1, as 0.8^0. accuracies, counts (K,) ->
+    w (K,)"""
+    weights = dpace_weights(accuracies.detach(), counts > 0, alpha)
+    return weights / weights[0].clamp_min(torch.finfo(weights.dtype).tiny)
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: FeatureBatch, options: TTTOptions = TTTOptions(), *,
