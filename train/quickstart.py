@@ -1,11 +1,13 @@
 """The main job on the embedded default, end to end on a CPU machine:
 
-    python train/quickstart.py [--out outputs/quickstart] [--questions 3] [--max-new-tokens 128]
+    python train/quickstart.py [--out outputs/quickstart] [--shipped-rows 1000] [--questions 3] [--max-new-tokens 128]
 
 1. regenerate: SmolLM2-135M-Instruct answers the project's own 320 prompts
    (recipes/regenerate_quickstart.yaml; resumable): through a llama-server it starts on the target's shipped
    GGUF when the llama.cpp build is there (.ci/setup makes it), else in-process with `generate`;
-2. train: an EAGLE-3 drafter on those conversations (recipes/eagle3_quickstart.yaml, ~15 minutes);
+2. train: an EAGLE-3 drafter, one pass over those conversations plus --shipped-rows of the target's answers
+   the repository ships (recipes/data/smollm2_general.jsonl, spread evenly over it; recipes/eagle3_quickstart.yaml,
+   about 25 minutes on one core);
 3. export: SGLang and vLLM formats, each reloaded and checked by the independent reader;
 4. measure: tau and speedup over plain `generate` on the first MT-bench questions, for the
    EAGLE-3 drafter (EAGLE-2 dynamic tree) next to the untrained baseline (prompt lookup);
@@ -34,6 +36,7 @@ TARGET = "smollm2-135m-instruct"
 # one-token forward of SmolLM2 here); the EAGLE-2 evaluation default is total=60,depth=6,topk=10.
 EAGLE_TREE = "dynamic:total=10,depth=4,topk=3"
 BASELINE_TREE = "chain:4"
+SHIPPED = ROOT / "recipes" / "data" / "smollm2_general.jsonl"  # the target's own answers to the general prompts
 
 
 def step(title: str, args: list[str]) -> None:
@@ -53,18 +56,24 @@ def step(title: str, args: list[str]) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/quickstart", help="everything is written under this directory")
+    p.add_argument("--shipped-rows", type=int, default=1000,
+                   help="how many of the shipped answers (recipes/data/smollm2_general.jsonl) train beside the "
+                        "regenerated ones (0: the regenerated ones alone)")
     p.add_argument("--questions", type=int, default=3, help="MT-bench questions (2 turns each) to measure on")
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args(argv)
     out = Path(args.out)
-    regenerated, run_dir = out / "regenerated.jsonl", out / "eagle3"
+    if args.shipped_rows < 0:
+        p.error(f"--shipped-rows {args.shipped_rows} must be >= 0 (0 trains on the regenerated answers alone)")
+    regenerated, mixed, run_dir = out / "regenerated.jsonl", out / "train.jsonl", out / "eagle3"
     checkpoint = run_dir / "checkpoint-final"
 
     step("1/5 regenerate the training conversations with the target",
          ["train/regenerate.py", "recipes/regenerate_quickstart.yaml", f"output={regenerated}"])
     if not (ROOT / checkpoint).is_dir():
+        mix(ROOT / regenerated, SHIPPED, args.shipped_rows, ROOT / mixed)
         step("2/5 train the EAGLE-3 drafter",
-             ["train/train.py", "recipes/eagle3_quickstart.yaml", f"data.path={regenerated}", f"output_dir={run_dir}",
+             ["train/train.py", "recipes/eagle3_quickstart.yaml", f"data.path={mixed}", f"output_dir={run_dir}",
               "resume_from=latest"])  # an interrupted run continues from the checkpoint its Ctrl-C saved
     for fmt in ("sglang", "vllm"):
         step(f"3/5 export ({fmt}) and validate",
@@ -90,6 +99,22 @@ def main(argv=None) -> None:
     print_summary(results, args.questions)
     if (ROOT / engine).is_file() and llama_cpp.available():
         print_engine_summary(json.loads((ROOT / engine).read_text()))
+
+
+def mix(regenerated: Path, shipped: Path, rows: int, out: Path) -> None:
+    """out = every regenerated conversation, then `rows` shipped ones spread evenly over their file (it is ordered by
+    when prompts were answered, each batch a few categories, so its head would miss some). Both are the target's own
+    greedy answers to the project's prompts, none from MT-bench; the loader buckets rows by length, so order is moot.
+    Rewritten whole each time, so a changed --shipped-rows is never mixed with an older file."""
+    from drafters.files import write_text_atomic
+
+    own = [line for line in regenerated.read_text().splitlines() if line.strip()]
+    available = [line for line in shipped.read_text().splitlines() if line.strip()]
+    if rows > len(available):
+        raise SystemExit(f"--shipped-rows {rows}: {shipped} holds {len(available)} rows; pass at most that")
+    more = [available[i * len(available) // rows] for i in range(rows)]
+    write_text_atomic(out, "\n".join(own + more) + "\n")
+    print(f"\n== training data: {len(own)} regenerated + {len(more)} shipped conversations -> {out}", flush=True)
 
 
 def print_summary(results: dict, questions: int) -> None:
