@@ -24,7 +24,8 @@ where it stopped):
             harness killed with it) continues when the command is run again, and its row sums its attempts
             (runs/NAME/attempt-NN.json; a cut-off attempt is counted to its last /proc sample, POLL_S apart).
             speculators' mid-epoch saves overwrite each other, so the harness copies each as it appears.
-  evaluate  every trainer's drafter decoded by OUR decoder (eval/tau.py: the peers' output directories load
+  evaluate  every trainer's drafter scored on --heldout-rows rows after the training rows (eval/heldout.py: top-1 by
+            TTT step, as training's held-out evaluation scores it), and decoded by OUR decoder (eval/tau.py: the peers' output directories load
             through drafters.export.eagle3_reader, ours from its checkpoint), MT-bench, chain of --chain,
             temperature 0: tau and per-depth acceptance; with --curve N, also each run's save nearest to every
             1/N of its tokens (SpecForge's saves are training states: exported first), for the curve of acceptance
@@ -379,6 +380,23 @@ def measure(args, drafter: str, path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def held_out(args, out: Path, drafter: str, path: Path) -> dict:
+    """Held-out top-1 by TTT step (eval/heldout.py) over the --heldout-rows data rows after the last training row,
+    the same rows and the same measure for every trainer's drafter; kept in `path`. A failure is the row's note."""
+    if args.heldout_rows < 1:
+        return {}
+    if not path.exists():
+        last = max(training_rows(out / "store")[0])
+        command = [sys.executable, "eval/heldout.py", "--target", args.target, "--proposer", drafter,
+                   "--data", str(args.data), "--rows", f"{last + 1}:{last + 1 + args.heldout_rows}",
+                   "--steps", str(args.heldout_steps), "--threads", str(args.threads), "--json", str(path)]
+        measured = run_measured(command, path.with_suffix(".log"), env=threads_env(args.threads))
+        if measured.returncode or not path.exists():
+            return {"error": f"eval/heldout.py: {last_lines(measured.log, 1)}"}
+    result = json.loads(path.read_text())
+    return {key: result[key] for key in ("step_acc", "tau_pred", "supervised", "rows")}
+
+
 def curve_points(curve: int, saved: list[tuple[float, Path]]) -> list[tuple[float, Path]]:
     """Of a run's saves (fraction of the run, drafter; the last one the final drafter, 1.0), the ones nearest to
     1/curve, 2/curve, ... (within half a step of the grid), then the final one."""
@@ -402,6 +420,7 @@ def evaluate(args, out: Path, row: dict) -> dict:
         result = measure(args, row["drafter"], run_dir / "bench.json")
         row.update(tau=result["tau"], per_depth_acceptance=result["per_depth_acceptance"],
                    eval_json=str(run_dir / "bench.json"))
+        row["heldout"] = held_out(args, out, row["drafter"], run_dir / "heldout.json")
         if args.curve > 1:
             adapter = None if row["trainer"] in OURS else load_adapter(row["trainer"])
             saved = our_saved(run_dir / "drafter") if adapter is None else adapter.saved(run_dir / "out")
@@ -423,16 +442,24 @@ def evaluate(args, out: Path, row: dict) -> dict:
 
 def table(rows: list[dict], tokens: int) -> str:
     lines = ["| trainer | settings | seed | tokens / CPU-s | wall s | CPU s (sys %) | peak RSS GiB | minor faults "
-             "| tau | first draft |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tau | first draft | held-out top-1 by TTT step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | failed: {r['error']} |||||||")
+            lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | failed: {r['error']} ||||||||")
             continue
         lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | {tokens / r['cpu_s']:.0f} | "
                      f"{r['wall_s']:.0f} | {r['cpu_s']:.0f} ({100 * r['system_s'] / r['cpu_s']:.0f}%){cut_off(r)} | "
                      f"{r['max_rss_bytes'] / 2**30:.2f} | {r['minor_faults'] / 1e6:.1f}M | "
-                     f"{r['tau']:.3f} | {r['per_depth_acceptance'][0]:.3f} |")
+                     f"{r['tau']:.3f} | {r['per_depth_acceptance'][0]:.3f} | {held_out_cell(r.get('heldout'))} |")
     return "\n".join(lines)
+
+
+def held_out_cell(result: dict | None) -> str:
+    if not result:
+        return "-"
+    if "error" in result:
+        return f"failed: {result['error']}"
+    return " ".join(f"{a:.3f}" for a in result["step_acc"])
 
 
 def cut_off(row: dict) -> str:
@@ -479,6 +506,10 @@ def parse_args(argv):
     p.add_argument("--keep-converted", action="store_true",
                    help="keep each peer run's converted copy of the store (runs/NAME/data; removed once the run "
                         "ends, since a rerun converts again)")
+    p.add_argument("--heldout-rows", type=int, default=64,
+                   help="held-out top-1 by TTT step (eval/heldout.py) on this many data rows after the training "
+                        "rows, for every drafter; 0 = none")
+    p.add_argument("--heldout-steps", type=int, default=7, help="TTT steps the held-out accuracy scores")
     p.add_argument("--curve", type=int, default=1,
                    help="also measure each run at 1/N, 2/N, ... of its tokens (its saves then), for the curve of "
                         "acceptance against tokens; 1 = the final drafters only")

@@ -51,6 +51,12 @@ def test_offline_and_online_train_the_same_drafter_from_the_one_capture(ours):
     for name in offline:
         torch.testing.assert_close(offline[name], online[name], rtol=1e-5, atol=1e-7, msg=name)
     assert rows[0]["tau"] == rows[1]["tau"] >= 1.0
+    # scored on the same held-out rows (after the 8 training rows), by TTT step, the same for the same drafter
+    offline_held, online_held = (r["heldout"] for r in rows)
+    first = max(PEERS.training_rows(out / "store")[0]) + 1  # the first data row after those trained on
+    assert offline_held["rows"] == online_held["rows"] == f"{first}:{first + 64}" and offline_held["supervised"] > 0
+    assert len(offline_held["step_acc"]) == 7
+    assert offline_held["step_acc"] == pytest.approx(online_held["step_acc"], abs=1e-6)
     report = json.loads((out / "peers.json").read_text())
     index = json.loads((out / "store" / "index.json").read_text())
     assert report["tokens"] == index["tokens"] and report["rows"] == index["rows"] == 8
