@@ -33,6 +33,23 @@ class LabelLogits:  # not drafters.heads.HeadRows (which rows train which Medusa
         return (*self.hidden.shape[:2], self.head.out_features)
 
 
+class NextTokenHead:
+    """The label side of a pass over raw text (features.source: text), as a LabelLogits head: each row's "hidden"
+    is the data's next token id, and the logits are those of a target certain of it. ids (N, 1) long -> (N, V)
+    float32, 0 everywhere but ONE_HOT_LOGIT at the id: softmax gives exactly the one-hot (exp(-1e4) underflows to 0
+    in float32) and argmax the id, so every loss over target logits becomes cross-entropy on the data's next token,
+    and a row whose next token is outside the draft vocabulary is never scored, as a target argmax there is not."""
+
+    ONE_HOT_LOGIT = 1.0e4
+
+    def __init__(self, vocab_size: int):
+        self.out_features = vocab_size  # V, as FrozenHead names it
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        logits = torch.zeros(len(ids), self.out_features, device=ids.device)
+        return logits.scatter_(1, ids.long().reshape(-1, 1), self.ONE_HOT_LOGIT)
+
+
 LABEL_CHUNK_ELEMENTS = 2**24  # target logits held at once: (rows, V) with rows * V <= 2^24, 64 MB in float32
 LABEL_CHUNK_ROWS: int | None = None  # a fixed row count instead (tests); None: LABEL_CHUNK_ELEMENTS // V
 

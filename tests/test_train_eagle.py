@@ -208,3 +208,85 @@ def test_max_length_above_the_targets_context_is_cut_to_it_and_said(trainer):
     assert max(lengths) == 48 and any(n < 48 for n in lengths)
     assert said[0] == ("data.max_length=3000 is above tiny-random-llama's context of 48 positions: rows are cut to "
                        "48 tokens (set data.max_length=48 or less to have the recipe say so)")
+
+
+# ---- features.source: text (a pretraining pass over raw text; the target never runs) ----------------------------
+
+
+def test_text_inputs_are_the_embedding_in_every_aux_slot_and_the_next_token_as_label(tiny_llama):
+    from drafters.training.eagle3 import text_inputs
+
+    model, _ = tiny_llama
+    embed = model.get_input_embeddings()
+    ids = torch.tensor([[5, 9, 2, 7], [3, 3, 8, 1]])
+    features, labels = text_inputs(embed, 3, model.config.vocab_size, {"input_ids": ids}, dtype=torch.float32)
+    h = model.config.hidden_size
+    assert features.shape == (2, 4, 3 * h)
+    for slot in range(3):  # HF hidden_states[0] = the embedding output, in each aux slot
+        torch.testing.assert_close(features[..., slot * h:(slot + 1) * h], embed(ids), rtol=0, atol=0)
+    rows = labels[torch.ones(2, 4, dtype=torch.bool)]  # (8, V): every row's label logits
+    assert rows.shape == (8, model.config.vocab_size)
+    assert rows.argmax(-1).view(2, 4)[:, :3].tolist() == ids[:, 1:].tolist()  # row t -> token t+1
+    assert torch.equal(torch.softmax(rows, -1), torch.nn.functional.one_hot(rows.argmax(-1),
+                                                                             model.config.vocab_size).float())
+
+
+def test_a_text_pass_is_cross_entropy_on_the_next_token_over_the_draft_vocabulary(tiny_llama):
+    # TTT step 0 on text inputs: the loss at position t is -log q(x_{t+2}) over the draft vocabulary (x_{t+2}: the
+    # row t+1 label), counted where loss_mask[t+2] = 1 and x_{t+2} is in the vocabulary, averaged over B x T
+    from drafters.draft_vocab import build_draft_vocab
+    from drafters.training.eagle3 import TTTOptions, text_inputs, ttt_loss
+    from drafters.training.loop import FeatureBatch
+
+    model, _ = tiny_llama
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (2, 12), generator=g)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[:, :3] = 0
+    config = Eagle3Config.from_target_config(model.config, 24)
+    vocab = build_draft_vocab([(ids[:, :6], loss_mask[:, :6])], config.vocab_size, 24)  # not every id is in it
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, vocab)
+    embed = model.get_input_embeddings()
+    features, labels = text_inputs(embed, len(config.aux_layers), model.config.vocab_size, {"input_ids": ids},
+                                   dtype=torch.float32)
+    with torch.no_grad():
+        out = ttt_loss(drafter, FeatureBatch(features, ids, labels, loss_mask, embed), TTTOptions(steps=2),
+                       return_logits=True)
+    log_q = torch.log_softmax(out.step_logits[0], -1)  # (B, T-1, Vd)
+    total, counted = 0.0, 0
+    for b in range(2):
+        for t in range(10):  # the label x_{t+2} exists for t <= T-3
+            token = int(ids[b, t + 2])
+            if loss_mask[b, t + 2] and bool(vocab.t2d[token]):
+                draft_id, _ = vocab.to_draft(torch.tensor([token]))
+                total -= float(log_q[b, t, int(draft_id)])
+                counted += 1
+    assert 0 < counted < 20  # some labels fall outside the 24-id vocabulary and are not scored
+    assert int(out.step_counts[0]) == counted
+    torch.testing.assert_close(out.step_losses[0], torch.tensor(total / ids.numel()), rtol=1e-5, atol=1e-6)
+
+
+def test_a_text_run_never_runs_the_target(trainer, tmp_path, monkeypatch):
+    from drafters.targets import Target
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the target ran a forward in a features.source=text run")
+
+    monkeypatch.setattr(Target, "features", forbidden)
+    summary = trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "features.source=text"])
+    assert summary.steps == STEPS and (tmp_path / "checkpoint-final").is_dir()
+    with pytest.raises(AssertionError, match="the target ran a forward"):  # the check can fail: a target run does
+        trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path / 'target'}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    (["features.dir=outputs/features/x"], "features.source=text reads no store"),
+    (["recipes/dflash_tiny.yaml"], "features.source=text pretrains EAGLE-3 only; drafter=dflash"),
+])
+def test_a_text_pass_that_cannot_run_is_refused(trainer, tmp_path, override, message):
+    recipe = override[0] if override[0].endswith(".yaml") else RECIPE
+    extra = [o for o in override if not o.endswith(".yaml")]
+    with pytest.raises(RecipeError, match=message):
+        trainer.main([str(ROOT / recipe) if recipe != RECIPE else recipe, f"data.path={DATA}",
+                      f"output_dir={tmp_path}", "features.source=text", *extra])

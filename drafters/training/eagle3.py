@@ -16,7 +16,8 @@ from drafters.acceptance import chain_tau
 from drafters.draft_vocab import DraftVocab, build_draft_vocab, count_tokens, coverage, size_for_coverage
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, fuse_features
 from drafters.layers import ENGINE_AUX_LAYERS, ttt_label_mask, ttt_label_rows
-from drafters.losses import DIVERGENCES, LabelLogits, dpace_weights, soft_cross_entropy, supervised_targets
+from drafters.losses import (DIVERGENCES, LabelLogits, NextTokenHead, dpace_weights, soft_cross_entropy,
+                             supervised_targets)
 from drafters.targets import FrozenHead, Target, default_eagle3_layers
 from drafters.training.loop import FeatureBatch
 from drafters.training.recipe import RecipeError
@@ -287,8 +288,12 @@ class Eagle3Objective(nn.Module):
 
 def target_inputs_fn(recipe: FeatureRecipe, target: Target, drafter):
     """-> batch -> (fused features in the drafter's dtype, target logits (B, T, V) as LabelLogits), no grad, for
-    EAGLE-3 and DFlash, online (a target forward) or offline (features.dir)."""
+    EAGLE-3 and DFlash, online (a target forward) or offline (features.dir); features.source=text (EAGLE-3): no
+    target forward at all (text_inputs)."""
     head, dtype = FrozenHead.from_target(target, "normed"), drafter.fc.weight.dtype
+    if recipe.features.source == "text":
+        return partial(text_inputs, target.embed_tokens, len(drafter.config.aux_layers), head.out_features,
+                       dtype=dtype)
     if recipe.features.dir:
         return partial(stored_inputs, head, dtype=dtype)
     return partial(target_inputs, target, head, drafter.config.aux_layers, dtype=dtype)
@@ -300,6 +305,20 @@ def target_inputs(target: Target, head: FrozenHead, aux_layers: list[int], batch
     the supervised rows only, drafters.losses); no grad."""
     out = target.features(batch["input_ids"], batch["attention_mask"], layers=aux_layers, logits=False)
     return fuse_features(out.hidden_states, aux_layers).to(dtype), LabelLogits(out.last_hidden, head)
+
+
+@torch.no_grad()
+def text_inputs(embed: nn.Module, num_aux: int, vocab_size: int, batch: dict, dtype: torch.dtype):
+    """target_inputs for a pass over raw text, where the target never runs (features.source: text): the fused
+    features are its embedding output, HF hidden_states[0] = embed(x_t), in each of the n aux slots, (B, T, n*h);
+    the labels of row t are the data's token t+1 (NextTokenHead: cross-entropy on the text, over the draft
+    vocabulary). The drafter's layer, fc and head learn the language from the text alone, and a later stage on the
+    target's features (init_from, or the next of `stages:`) teaches fc what the deeper layers add. The last row has
+    no next token: it repeats its own id, and no loss reads it (a label at row r needs loss_mask[r+1])."""
+    ids = batch["input_ids"]  # (B, T)
+    features = embed(ids).to(dtype).repeat(1, 1, num_aux)  # (B, T, n*h): cat of the same (B, T, h) n times
+    next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], 1)  # (B, T): row t -> x_{t+1}
+    return features, LabelLogits(next_ids.unsqueeze(-1), NextTokenHead(vocab_size))
 
 
 @torch.no_grad()

@@ -183,6 +183,10 @@ class Features:  # offline target features (drafters.training.features; written 
     # train/features.py on a store written for other data (rows appended, some edited): true keeps every shard whose
     # rows are still tokenized exactly as stored and computes the rest; false refuses, saying how many would be kept
     update: bool = False
+    # target: the target's hidden states and distributions (online, or from dir); text: EAGLE-3 only, a cheap pass
+    # over raw text in which the target never runs: its embedding stands in for the fused layers and the data's next
+    # token for its distribution (drafters.training.eagle3.text_inputs), a pretraining stage before distillation
+    source: Literal["target", "text"] = "target"
 
 
 @dataclass(kw_only=True)
@@ -197,6 +201,16 @@ class FeatureRecipe(TrainRecipe):
         found = super().problems()
         if self.features.shard_rows < 1:
             found.append(f"features.shard_rows={self.features.shard_rows} must be >= 1")
+        source = self.features.source
+        if source not in ("target", "text"):
+            found.append(f"features.source={source!r}: use target (the target's features) or text (EAGLE-3's "
+                         "pretraining on raw text, the target never runs)")
+        elif source == "text" and getattr(self, "drafter", None) != "eagle3":  # each family's subclass names it
+            found.append(f"features.source=text pretrains EAGLE-3 only; drafter={getattr(self, 'drafter', None)} "
+                         "trains on the target's features: set features.source=target")
+        elif source == "text" and self.features.dir:
+            found.append(f"features.source=text reads no store (the target never runs), but features.dir="
+                         f"{self.features.dir} is set: set features.dir=null for this run or stage")
         return found
 
 
