@@ -89,20 +89,26 @@ class Measured:
     max_rss_bytes: int
     minor_faults: int
     log: str
+    # the largest RssAnon summed over the process tree, sampled every MEMORY_POLL_S (tree_usage): private memory,
+    # without the file pages of a memory-mapped feature store that VmHWM / ru_maxrss count; 0 = never sampled
+    max_anon_bytes: int = 0
 
     @property
     def cpu_s(self) -> float:
         return self.user_s + self.system_s
 
 
-POLL_S = 15.0  # how often a running trainer's usage is sampled from /proc (what a cut-off attempt loses at most)
+POLL_S = 15.0  # how often a running trainer's usage is written (what a cut-off attempt loses at most)
+MEMORY_POLL_S = 1.0  # how often its private memory (RssAnon) is sampled between those writes
 
 
 def tree_usage(root: int) -> dict | None:
     """Usage so far of process `root` and its live descendants, from /proc (None once `root` is gone): CPU seconds
     summed over the live processes of utime + cutime (stime + cstime): the c-fields hold every descendant a process
-    has reaped, so workers that already exited are counted once; minor faults likewise; and the largest VmHWM, the
-    peak resident set of the biggest single process, which is what ru_maxrss reports."""
+    has reaped, so workers that already exited are counted once; minor faults likewise; the largest VmHWM, the
+    peak resident set of the biggest single process, which is what ru_maxrss reports; and anon_bytes, RssAnon summed
+    over the live processes now: their private resident memory, which VmHWM overstates by the file pages of what
+    they memory-map (our offline trainer's feature store: clean pages the kernel drops under pressure)."""
     parent, stat = {}, {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -122,7 +128,7 @@ def tree_usage(root: int) -> dict | None:
         tree.update(children)
         frontier = children
     tick = os.sysconf("SC_CLK_TCK")
-    usage = {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0, "max_rss_bytes": 0}
+    usage = {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0, "max_rss_bytes": 0, "anon_bytes": 0}
     for pid in tree:
         f = stat[pid]
         usage["minor_faults"] += int(f[7]) + int(f[8])
@@ -132,6 +138,8 @@ def tree_usage(root: int) -> dict | None:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     usage["max_rss_bytes"] = max(usage["max_rss_bytes"], int(line.split()[1]) * 1024)
+                elif line.startswith("RssAnon:"):
+                    usage["anon_bytes"] += int(line.split()[1]) * 1024
         except OSError:
             pass
     return usage
@@ -146,15 +154,22 @@ def run_measured(command: list[str], log: Path, env: dict | None = None, cwd: Pa
     start = time.perf_counter()
     done = threading.Event()
 
+    peak_anon = [0]  # the watcher's largest anon_bytes sample, read once the process has ended
+
     def watch(pid: int) -> None:
-        peak = 0
-        while not done.wait(POLL_S):
+        peak, written = 0, time.perf_counter()
+        while not done.wait(min(MEMORY_POLL_S, POLL_S)):
             usage = tree_usage(pid)
             if usage is None:
                 return
             peak = usage["max_rss_bytes"] = max(peak, usage["max_rss_bytes"])
+            peak_anon[0] = max(peak_anon[0], usage.pop("anon_bytes"))
+            if time.perf_counter() - written < POLL_S:
+                continue
+            written = time.perf_counter()
             if progress is not None:
-                write_json(progress, {**usage, "wall_s": time.perf_counter() - start, "complete": False})
+                write_json(progress, {**usage, "max_anon_bytes": peak_anon[0], "wall_s": written - start,
+                                      "complete": False})
             if on_poll is not None:
                 on_poll()
 
@@ -163,7 +178,7 @@ def run_measured(command: list[str], log: Path, env: dict | None = None, cwd: Pa
                                    env={**os.environ, **(env or {})})
         if progress is not None:  # at once: an attempt cut off before its first sample still counts as one
             write_json(progress, {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0, "max_rss_bytes": 0,
-                                  "wall_s": 0.0, "complete": False})
+                                  "max_anon_bytes": 0, "wall_s": 0.0, "complete": False})
         watcher = threading.Thread(target=watch, args=(process.pid,), daemon=True)
         watcher.start()
         try:
@@ -177,7 +192,7 @@ def run_measured(command: list[str], log: Path, env: dict | None = None, cwd: Pa
             watcher.join()
     process.returncode = os.waitstatus_to_exitcode(status)
     measured = Measured(process.returncode, time.perf_counter() - start, usage.ru_utime, usage.ru_stime,
-                        usage.ru_maxrss * 1024, usage.ru_minflt, str(log))
+                        usage.ru_maxrss * 1024, usage.ru_minflt, str(log), peak_anon[0])
     if progress is not None:
         write_json(progress, {**asdict(measured), "complete": True})
     if on_poll is not None:
@@ -191,7 +206,8 @@ def attempts_total(directory: Path) -> dict:
     so up to POLL_S seconds of it are missing: `complete_attempts` < `attempts` says so."""
     parts = [json.loads(p.read_text()) for p in sorted(directory.glob("attempt-*.json"))]
     total = {key: sum(p[key] for p in parts) for key in ("wall_s", "user_s", "system_s", "minor_faults")}
-    total["max_rss_bytes"] = max((p["max_rss_bytes"] for p in parts), default=0)
+    for key in ("max_rss_bytes", "max_anon_bytes"):  # an attempt recorded before anon sampling has none
+        total[key] = max((p.get(key, 0) for p in parts), default=0)
     total.update(attempts=len(parts), complete_attempts=sum(p["complete"] for p in parts))
     return total
 
@@ -441,15 +457,17 @@ def evaluate(args, out: Path, row: dict) -> dict:
 # ----------------------------------------------------------------------------------------------- report
 
 def table(rows: list[dict], tokens: int) -> str:
-    lines = ["| trainer | settings | seed | tokens / CPU-s | wall s | CPU s (sys %) | peak RSS GiB | minor faults "
-             "| tau | first draft | held-out top-1 by TTT step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| trainer | settings | seed | tokens / CPU-s | wall s | CPU s (sys %) | peak RSS GiB | peak anon GiB "
+             "| minor faults | tau | first draft | held-out top-1 by TTT step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | failed: {r['error']} ||||||||")
+            lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | failed: {r['error']} |||||||||")
             continue
         lines.append(f"| {r['trainer']} | {r['settings']} | {r['seed']} | {tokens / r['cpu_s']:.0f} | "
                      f"{r['wall_s']:.0f} | {r['cpu_s']:.0f} ({100 * r['system_s'] / r['cpu_s']:.0f}%){cut_off(r)} | "
-                     f"{r['max_rss_bytes'] / 2**30:.2f} | {r['minor_faults'] / 1e6:.1f}M | "
+                     f"{r['max_rss_bytes'] / 2**30:.2f} | {r.get('max_anon_bytes', 0) / 2**30:.2f} | "
+                     f"{r['minor_faults'] / 1e6:.1f}M | "
                      f"{r['tau']:.3f} | {r['per_depth_acceptance'][0]:.3f} | {held_out_cell(r.get('heldout'))} |")
     return "\n".join(lines)
 

@@ -109,6 +109,22 @@ def test_the_measurement_covers_the_processes_a_trainer_starts(tmp_path):
     assert failed.returncode == 3 and PEERS.last_lines(failed.log) == "no data"
 
 
+def test_private_memory_is_sampled_apart_from_a_mapped_files_pages(tmp_path, monkeypatch):
+    # a worker that maps and reads a 256 MB file (as our offline trainer maps its feature store) and allocates 128 MB
+    # of its own: VmHWM / ru_maxrss count both, the sampled RssAnon peak only the allocation
+    monkeypatch.setattr(PEERS, "MEMORY_POLL_S", 0.05)
+    data = tmp_path / "store.bin"
+    data.write_bytes(b"\1" * (256 * 2**20))
+    worker = (f"import mmap, time; f = open({str(data)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+              "s = sum(m[i] for i in range(0, len(m), 4096)); b = bytearray(128 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+              "time.sleep(1.0)")
+    launcher = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {worker!r}], check=True)"
+    measured = PEERS.run_measured([sys.executable, "-c", launcher], tmp_path / "log")
+    assert measured.returncode == 0, PEERS.last_lines(measured.log)
+    assert measured.max_rss_bytes >= (256 + 128) * 2**20
+    assert 128 * 2**20 <= measured.max_anon_bytes < (128 + 100) * 2**20  # the allocation (+ the interpreter)
+
+
 def test_a_running_attempt_is_sampled_so_a_cut_off_one_still_counts(tmp_path, monkeypatch):
     # a launcher whose worker burns CPU: while it runs, the /proc samples must see the worker's time (a descendant,
     # alive) and, once it exits, keep it (the launcher's cutime); the final record is wait4's
