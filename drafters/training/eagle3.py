@@ -63,6 +63,7 @@ class Eagle3Recipe(DraftVocabRecipe, DrafterNorms):  # + target, data, optim, ..
     drafter: Literal["eagle3"] = "eagle3"
     output_dir: str = "outputs/eagle3"
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
+    reads_text: ClassVar[bool] = True  # features.source=text: text_inputs
     # earlier releases read these at the top level: moved under eagle3: with a deprecation line, for this release
     moved_keys: ClassVar[dict[str, str]] = {f.name: "eagle3" for f in fields(Eagle3Options)}
 

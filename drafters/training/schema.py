@@ -196,6 +196,8 @@ class FeatureRecipe(TrainRecipe):
 
     layers: list[int] | None = None  # HF hidden_states indices of the fused aux layers; null = [2, L//2, L-3]
     features: Features = field(default_factory=Features)  # offline features (train/features.py)
+    # whether the family trains from features.source=text (drafters.training.eagle3.text_inputs): EAGLE-3's says so
+    reads_text: ClassVar[bool] = False
 
     def problems(self) -> list[str]:
         found = super().problems()
@@ -205,7 +207,7 @@ class FeatureRecipe(TrainRecipe):
         if source not in ("target", "text"):
             found.append(f"features.source={source!r}: use target (the target's features) or text (EAGLE-3's "
                          "pretraining on raw text, the target never runs)")
-        elif source == "text" and getattr(self, "drafter", None) != "eagle3":  # each family's subclass names it
+        elif source == "text" and not self.reads_text:
             found.append(f"features.source=text pretrains EAGLE-3 only; drafter={getattr(self, 'drafter', None)} "
                          "trains on the target's features: set features.source=target")
         elif source == "text" and self.features.dir:
