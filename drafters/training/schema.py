@@ -203,11 +203,8 @@ class FeatureRecipe(TrainRecipe):
         found = super().problems()
         if self.features.shard_rows < 1:
             found.append(f"features.shard_rows={self.features.shard_rows} must be >= 1")
-        source = self.features.source
-        if source not in ("target", "text"):
-            found.append(f"features.source={source!r}: use target (the target's features) or text (EAGLE-3's "
-                         "pretraining on raw text, the target never runs)")
-        elif source == "text" and not self.reads_text:
+        source = self.features.source  # target or text: the recipe's reader refuses any other value
+        if source == "text" and not self.reads_text:
             found.append(f"features.source=text pretrains EAGLE-3 only; drafter={getattr(self, 'drafter', None)} "
                          "trains on the target's features: set features.source=target")
         elif source == "text" and self.features.dir:
