@@ -31,6 +31,10 @@ where it stopped):
             1/N of its tokens (SpecForge's saves are training states: exported first), for the curve of acceptance
             against tokens.
 
+Our rows: drafters-offline (from the store), drafters-online (the target run at every step) and, when named in
+--trainers, drafters-frozen-head (offline with eagle3.freeze_head=true: the LM head left at the target's rows, as
+speculators leaves it).
+
 Settings:
   matched   EAGLE-3, 1 layer, training-time test 3 steps at weight 0.8^i, draft vocabulary 16,384, AdamW lr 1e-3
             cosine without warm-up, bf16 autocast, batch 1, 1 epoch, max length 512 (MATCHED).
@@ -56,8 +60,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("speculators", "specforge")
-OURS = ("drafters-offline", "drafters-online")
+# drafters-frozen-head: the offline run with eagle3.freeze_head=true, the LM head speculators trains (none: the
+# target's rows of the draft vocabulary): what a trained head buys in acceptance and costs in memory and time
+OURS = ("drafters-offline", "drafters-online", "drafters-frozen-head")
 TRAINERS = OURS + PEERS
+DEFAULT_TRAINERS = ("drafters-offline", "drafters-online", *PEERS)
 
 # The matched settings every trainer is given (the adapters translate them into their own flags).
 MATCHED = {"num_layers": 1, "ttt_steps": 3, "step_weight": 0.8, "draft_vocab": 16384, "lr": 1e-3,
@@ -343,8 +350,10 @@ def train(args, out: Path, store: Path, target_dir: Path, trainer: str, kind: st
                        f"data.limit={args.rows}", f"output_dir={run_dir / 'drafter'}",
                        *our_overrides(kind, settings), f"save_every={max(1, round(steps * save_fraction))}",
                        "keep_last=0", "resume_from=latest"]
-            if trainer == "drafters-offline":
+            if trainer != "drafters-online":
                 command += [f"features.dir={store}", f"features.dtype={args.feature_dtype}"]
+            if trainer == "drafters-frozen-head":
+                command.append("eagle3.freeze_head=true")
             env, drafter, fmt = threads_env(args.threads), run_dir / "drafter" / "checkpoint-final", "ours"
         else:
             adapter = load_adapter(trainer)
@@ -514,7 +523,8 @@ def parse_args(argv):
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the capture's storage (float32: our offline and online runs train bit for bit alike)")
     p.add_argument("--rows", type=int, default=150, help="train on the first N usable rows of --data")
-    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    p.add_argument("--trainers", nargs="+", default=list(DEFAULT_TRAINERS), choices=TRAINERS,
+                   help="drafters-frozen-head (ours offline with the head not trained) runs only when named")
     p.add_argument("--settings", nargs="+", default=["matched"], choices=["matched", "defaults"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--threads", type=int, default=1, help="per trainer; trainers run one after another")

@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_script
+from drafters.tiny import build_tiny_target
 
 PEERS = load_script("eval/peers.py")
+OURS = PEERS.OURS  # offline, online, frozen head
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +37,15 @@ def tiny_args(out, bench, *extra):
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory, bench):
     out = tmp_path_factory.mktemp("peers")
-    rows = PEERS.main(tiny_args(out, bench, "--trainers", "drafters-offline", "drafters-online",
-                                "--feature-dtype", "float32"))
+    rows = PEERS.main(tiny_args(out, bench, "--trainers", *OURS, "--feature-dtype", "float32"))
     return out, rows
 
 
 def test_offline_and_online_train_the_same_drafter_from_the_one_capture(ours):
     out, rows = ours
-    assert [r["trainer"] for r in rows] == ["drafters-offline", "drafters-online"]
+    assert [r["trainer"] for r in rows] == list(OURS)
     assert all("error" not in r for r in rows), rows
+    rows = rows[:2]
     # float32 storage: the offline run reads what the online run computes, so the drafters are the same up to the
     # rounding of a differently padded batch (tests/test_features_offline.py: losses equal to 1e-6)
     offline, online = (load_file(f"{r['drafter']}/model.safetensors") for r in rows)
@@ -62,6 +64,16 @@ def test_offline_and_online_train_the_same_drafter_from_the_one_capture(ours):
     assert report["tokens"] == index["tokens"] and report["rows"] == index["rows"] == 8
 
 
+def test_the_frozen_head_row_trains_all_but_the_targets_head_rows(ours):
+    _, rows = ours
+    offline, frozen = (load_file(f"{r['drafter']}/model.safetensors") for r in (rows[0], rows[2]))
+    target, _ = build_tiny_target("tiny-random-llama")
+    used = torch.arange(frozen["d2t"].numel()) + frozen["d2t"]  # EAGLE-3's d2t: target id - draft id
+    assert torch.equal(frozen["lm_head.weight"], target.lm_head.weight.float()[used])
+    assert not torch.equal(offline["lm_head.weight"], frozen["lm_head.weight"])  # the offline run trains its head
+    assert not torch.equal(offline["fc.weight"], frozen["fc.weight"])
+
+
 def test_each_run_is_measured_from_outside(ours):
     _, rows = ours
     for r in rows:
@@ -72,8 +84,7 @@ def test_each_run_is_measured_from_outside(ours):
 def test_a_rerun_resumes_and_a_changed_rerun_is_refused(ours, bench):
     out, rows = ours
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
-    again = PEERS.main(tiny_args(out, bench, "--trainers", "drafters-offline", "drafters-online",
-                                 "--feature-dtype", "float32"))
+    again = PEERS.main(tiny_args(out, bench, "--trainers", *OURS, "--feature-dtype", "float32"))
     assert [r["tau"] for r in again] == [r["tau"] for r in rows]
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == stamps  # nothing ran again
     with pytest.raises(SystemExit, match=r"--rows 8 \(now 9\).*same options to resume"):

@@ -93,6 +93,23 @@ def test_checkpoint_rebuilds_the_trained_drafter(run):
     assert torch.equal(rebuilt.topk_tokens(got)[1], trained.topk_tokens(want)[1])
 
 
+def test_a_frozen_head_keeps_the_targets_rows_and_trains_the_rest(trainer, run, tmp_path):
+    # eagle3.freeze_head: speculators' head (the target's rows of the draft vocabulary, never updated); the same first
+    # forward as the trained-head run, and no optimizer state for the head
+    summary, output_dir = run
+    frozen = trainer.main([RECIPE, f"data.path={DATA}", f"output_dir={tmp_path}", "eagle3.freeze_head=true"])
+    ours, trained = (load_checkpoint(d / "checkpoint-final", family="eagle3").state_dict for d in (tmp_path, output_dir))
+    rows = frozen.target.lm_head.weight.float()[frozen.drafter.draft_vocab.used]
+    assert torch.equal(ours["lm_head.weight"], rows)
+    assert not torch.equal(trained["lm_head.weight"], rows)  # the check can fail: a trained head moves
+    assert frozen.losses[0] == pytest.approx(summary.losses[0], rel=1e-6)
+    assert frozen.losses[1:] != pytest.approx(summary.losses[1:], rel=1e-6)
+    assert not torch.equal(ours["fc.weight"], trained["fc.weight"])  # trained, along another path
+    moments = [torch.load(d / "checkpoint-final" / "trainer" / "optimizer.bin", weights_only=False)["state"]
+               for d in (tmp_path, output_dir)]
+    assert len(moments[0]) == len(moments[1]) - 1
+
+
 def test_metrics_have_one_row_per_step(run):
     _, output_dir = run
     rows = read_jsonl(output_dir / "metrics.jsonl")

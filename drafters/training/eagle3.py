@@ -56,6 +56,10 @@ class Eagle3Options:  # the recipe's `eagle3:` section: what EAGLE-3 alone reads
     # backward (fastest); recompute = neither: labels and gradients recomputed chunk by chunk in backward, memory flat
     # in Vd beyond the weights, for about twice the LM heads' matmuls (report/memory)
     vocab_memory: Literal["table", "recompute"] = "table"
+    # the LM head keeps the target's rows of the draft vocabulary (init_from_target) and is not trained, as
+    # speculators does: no float32 gradient and AdamW moments for it (Vd x h x 12 bytes: 0.11 GiB at 16,384 x 576)
+    # and no dL/dW matmul in backward; what it costs in acceptance: report/peers/README.md
+    freeze_head: bool = False
 
 
 @dataclass(kw_only=True)
@@ -165,6 +169,7 @@ def build_eagle3_drafter(recipe: Eagle3Recipe, target: Target, vocab: DraftVocab
                                                  num_layers=recipe.eagle3.num_layers, **recipe.norms())
     drafter = module(config, vocab).to(target.device)
     drafter.init_from_target(target.lm_head.weight.float(), vocab)  # rows of the draft vocab's ids
+    drafter.lm_head.weight.requires_grad_(not recipe.eagle3.freeze_head)  # the optimizer takes what requires grad
     init_layer = recipe.eagle3.init_layer
     if init_layer is not None:
         layers = target.decoder_layers
