@@ -1,6 +1,7 @@
 """A recipe's `stages:` (drafters.training.stages): equal to the stages run by hand with init_from, resumable as a
 whole, and refusing a stage's unknown key or missing input before any stage trains."""
 
+import json
 import shlex
 import signal
 from pathlib import Path
@@ -131,6 +132,24 @@ def test_a_stage_without_its_store_is_refused_with_the_command_that_makes_it(tmp
     features.main(command[2:])  # the command it gives makes the store
     assert (missing / "index.json").is_file()
     assert load_recipe(command[2:]).features.dir == str(missing)
+
+
+def test_a_stage_with_features_make_makes_its_store_and_trains_as_from_a_store_made_first(staged, tmp_path, capsys):
+    # features.make: the one command makes the missing store when stage 2's turn comes, then trains from it: the
+    # drafter equals the fixture's, whose store train/features.py made beforehand
+    recipe_with_store, whole = staged
+    made = tmp_path / "made"
+    recipe = staged_recipe(tmp_path, made, features={"dir": str(made), "make": True})
+    out = tmp_path / "run"
+    eagle.main([str(recipe), f"output_dir={out}"])
+    assert "features.make: making the store in" in capsys.readouterr().out
+    assert json.loads((made / "index.json").read_text())["complete"]
+    assert same(out / "checkpoint-final", whole / "checkpoint-final")
+    capsys.readouterr()
+    assert eagle.main([str(recipe), f"output_dir={out}"]) is None  # finished: neither the store nor a stage again
+    assert "making the store" not in capsys.readouterr().out
+    # features.make changes no training: the stages stay finished once it is dropped (the store is there now)
+    assert eagle.main([str(staged_recipe(tmp_path, made)), f"output_dir={out}"]) is None
 
 
 def test_a_stage_whose_store_was_made_from_another_data_file_is_refused(tmp_path, store):

@@ -18,56 +18,16 @@ EAGLE-3 stores the fused aux layers and the final-normed hidden state (for the s
 one feature.
 """
 
-import torch
-
-from drafters.files import check_writable
-from drafters.targets import load_target
-from drafters.training.batches import max_length_for
-from drafters.training.data import build_examples
 from drafters.training.families import TRAINING_FAMILIES, load_recipe
-from drafters.training.features import Processes, features_header, write_features
-from drafters.training.recipe import RecipeError, run_main
+from drafters.training.recipe import run_main
+from drafters.training.store import make_store
+
 
 def main(argv: list[str]) -> dict:
     if not argv:
         raise SystemExit("usage: python train/features.py RECIPE.yaml features.dir=DIR [key=value ...]")
     recipe = load_recipe(argv)
-    family = TRAINING_FAMILIES[recipe.drafter]
-    if not family.offline:
-        raise RecipeError(f"{argv[0]}: drafter={recipe.drafter} trains online only (a target forward per batch); "
-                          "there are no features to store for it")
-    if not recipe.features.dir:
-        raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
-                          "train/train.py streams from it when the recipe sets it)")
-    if recipe.split_target:
-        raise RecipeError("split_target=true is for training: train/features.py gives each process its own shards "
-                          "and the whole target; set split_target=false here (the store then trains a run that "
-                          "loads no decoder layer at all)")
-    check_writable(recipe.features.dir, "features.dir=", directory=True)  # before the target loads
-    if recipe.threads:
-        torch.set_num_threads(recipe.threads)
-    processes, device = launched_processes()
-    target = load_target(recipe.target, dtype=recipe.dtype)
-    target.model.to(device)
-    header = features_header(recipe, target, family)
-    data = recipe.data
-    say = print if processes.rank == 0 else lambda line: None
-    max_length = max_length_for(target, data.max_length, say)
-    examples, report = build_examples(target.tokenizer, data.path, max_length=max_length, fmt=data.fmt,
-                                      split=data.split, limit=data.limit, reasoning=data.reasoning,
-                                      template_kwargs=data.chat_template_kwargs)
-    say(report.summary())
-    return write_features(recipe.features.dir, target, examples, header, batch_size=recipe.batch_size,
-                          processes=processes, update=recipe.features.update)
-
-
-def launched_processes() -> tuple[Processes, torch.device]:
-    """One process, or the processes `accelerate launch` / torchrun started (gloo on CPUs): each writes its share
-    of the shards on its own device."""
-    from accelerate import PartialState
-
-    state = PartialState(cpu=not torch.accelerator.is_available())
-    return Processes(state.process_index, state.num_processes, state.wait_for_everyone), state.device
+    return make_store(recipe, TRAINING_FAMILIES[recipe.drafter], where=argv[0])
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ from drafters.training.stages import (
     plan_stages,
     stage_argv,
 )
+from drafters.training.store import make_store, store_finished
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,11 @@ def train(recipe, tag: str | None = None) -> Summary:
     # from a store, the target's forward never runs: its decoder layers stay on disk (unless a layer initialises
     # the drafter: EAGLE-3's eagle3.init_layer)
     from_store = family.offline and bool(recipe.features.dir) and family.init_layer(recipe) is None
+    if family.offline and recipe.features.dir and recipe.features.make and not store_finished(recipe.features.dir):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{tag}: features.make: making the store in {recipe.features.dir} first (resumable: an interrupted "
+                  "store continues when the command is run again)")
+        make_store(recipe, family, where=f"{tag}: features.make")
     accelerator, target, resume, train_rows, held_out = start_run(recipe, tag, decoder=not from_store)
     say = accelerator.print
     store = None

@@ -226,11 +226,12 @@ def resumable(path: Path) -> Path:
     return path
 
 
-# Recipe keys that may change between a run and its resumption without changing what is trained.
+# Recipe keys (dotted within a section) that may change between a run and its resumption without changing what is
+# trained.
 RESUMABLE_CHANGES = {"resume_from", "allow_recipe_changes", "overwrite_output_dir", "trust_checkpoint", "output_dir",
                      "max_steps",
                      "log_every", "save_every", "eval_every", "keep_last", "threads", "wandb_project", "wandb_name",
-                     "measure"}
+                     "measure", "features.make"}
 
 
 def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | None = None) -> list[str]:
@@ -245,7 +246,7 @@ def recipe_diff(saved: dict, current: dict, prefix: str = "", schema: type | Non
     hints = typing.get_type_hints(schema) if schema is not None else {}
     for key in sorted(set(saved) | set(current)):
         name = prefix + key
-        if not prefix and key in RESUMABLE_CHANGES or schema is not None and key not in defaults:
+        if name in RESUMABLE_CHANGES or schema is not None and key not in defaults:
             continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if key not in saved and key in defaults and new == field_default(defaults[key]):

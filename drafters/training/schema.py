@@ -187,6 +187,10 @@ class Features:  # offline target features (drafters.training.features; written 
     # over raw text in which the target never runs: its embedding stands in for the fused layers and the data's next
     # token for its distribution (drafters.training.eagle3.text_inputs), a pretraining stage before distillation
     source: Literal["target", "text"] = "target"
+    # true: training whose dir holds no finished store makes it first (drafters.training.store.make_store, as
+    # train/features.py does, resumably), so a recipe with a store is one command; false: such a run is refused,
+    # naming the train/features.py command
+    make: bool = False
 
 
 @dataclass(kw_only=True)
