@@ -42,12 +42,13 @@ def test_the_estimate_grows_as_its_terms_say():
     # labels and head gradients linear in the draft vocabulary; the online target's hidden states on top
     import torch
 
-    def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False, vocab_memory="table", layers=1):
+    def estimate(seq=512, batch=2, steps=3, vocab=1000, online=False, vocab_memory="table", layers=1, frozen=False):
         recipe = SimpleNamespace(batch_size=batch, data=SimpleNamespace(max_length=seq),
                                  eagle3=SimpleNamespace(ttt_steps=steps, vocab_memory=vocab_memory))
         drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64,
                                                          num_hidden_layers=layers),
-                                  parameters=lambda: [torch.zeros(100, requires_grad=True)])
+                                  parameters=lambda: [torch.zeros(100, requires_grad=True)],
+                                  lm_head=SimpleNamespace(weight=SimpleNamespace(requires_grad=not frozen)))
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
             hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16, vocab_size=3000)
         return memory.estimate_step(memory.ttt_shape(recipe, drafter), recipe, target, drafter, online=online).parts
@@ -64,6 +65,7 @@ def test_the_estimate_grows_as_its_terms_say():
     stacked = estimate(layers=3)  # each TTT step runs every decoder layer; one LM head a step whatever the depth
     assert stacked["activations"] == 3 * base["activations"] and stacked["head grads"] == base["head grads"]
     assert estimate(online=True)["target"] == 2 * 512 * 32 * 4 * 2
+    assert estimate(frozen=True)["head grads"] == 0  # eagle3.freeze_head: the fused loss keeps no dL/dW
 
 
 def test_recomputed_labels_take_the_vocabulary_out_of_the_estimate():
@@ -75,7 +77,7 @@ def test_recomputed_labels_take_the_vocabulary_out_of_the_estimate():
         recipe = SimpleNamespace(batch_size=2, data=SimpleNamespace(max_length=seq),
                                  eagle3=SimpleNamespace(ttt_steps=7, vocab_memory=vocab_memory))
         drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=vocab, hidden_size=64, num_hidden_layers=1),
-                                  parameters=lambda: [])
+                                  parameters=lambda: [], lm_head=SimpleNamespace(weight=SimpleNamespace(requires_grad=True)))
         target = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
             hidden_size=32, num_hidden_layers=3)), dtype=torch.bfloat16, vocab_size=3000)
         shape = memory.ttt_shape(recipe, drafter)

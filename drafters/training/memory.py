@@ -58,7 +58,8 @@ def ttt_shape(recipe, drafter) -> StepShape:  # EAGLE-3: k TTT steps over every 
     tokens = recipe.batch_size * recipe.data.max_length
     knobs = (f"data.max_length ({recipe.data.max_length})", f"batch_size ({recipe.batch_size})",
              f"eagle3.ttt_steps ({steps})")
-    return StepShape(steps * drafter.config.num_hidden_layers, tokens, tokens, 1 if recompute else steps, knobs,
+    head_grads = 0 if not drafter.lm_head.weight.requires_grad else 1 if recompute else steps  # 0: freeze_head
+    return StepShape(steps * drafter.config.num_hidden_layers, tokens, tokens, head_grads, knobs,
                      recomputed_labels=recompute, switches=() if recompute else (
                          "eagle3.vocab_memory=recompute (labels and head gradients recomputed in backward: flat in the "
                          "draft vocabulary, slower)",))
