@@ -208,6 +208,23 @@ def test_the_recipes_measure_decodes_the_final_drafter_once_and_says_where_its_e
     assert report.stat().st_mtime_ns == stamp and "measure: decoding" not in capsys.readouterr().out
 
 
+def test_a_finished_plain_run_run_again_measures_instead_of_refusing(tmp_path, capsys):
+    # without stages: the run's own checkpoint-final is at the last step, so resume_from=latest has nothing to train;
+    # with a `measure:` section that is what the command is run again for (a measure that stopped, or was added)
+    bench = tmp_path / "prompts.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc abc abc", "hello hello")))
+    section = f'measure={{"bench": "{bench}", "limit": 2, "max_new_tokens": 8, "tree": "chain:2", "llama_cpp": false}}'
+    out = tmp_path / "run"
+    eagle.main([RECIPE, f"output_dir={out}", "max_steps=2"])
+    with pytest.raises(RecipeError, match="nothing to continue"):  # without a measure the refusal stands
+        eagle.main([RECIPE, f"output_dir={out}", "max_steps=2", "resume_from=latest"])
+    capsys.readouterr()
+    assert eagle.main([RECIPE, f"output_dir={out}", "max_steps=2", "resume_from=latest", section]) is None
+    said = capsys.readouterr().out
+    assert "finished training at this recipe's last step; measuring" in said
+    assert json.loads((out / "measure-prompts.json").read_text())["limit"] == 2
+
+
 def test_a_bad_measure_section_is_refused_before_anything_trains(tmp_path):
     with pytest.raises(RecipeError, match=r"measure.limit=0 must be >= 1 or null"):
         eagle.main([RECIPE, f"output_dir={tmp_path / 'run'}", 'measure={"limit": 0}'])

@@ -56,6 +56,7 @@ from drafters.training.memory import block_shape, ttt_shape
 from drafters.training.peagle import PEagleRecipe, build_peagle, evaluate_peagle, format_peagle_eval
 from drafters.training.recipe import RecipeError, apply_override, read_recipe, to_dict
 from drafters.training.resume import (
+    Finished,
     field_default,
     recipe_diff,
     init_from_gone,
@@ -243,7 +244,14 @@ def train_main(argv: list[str], script: str, default: str = DEFAULT_FAMILY) -> S
     if not argv:
         raise SystemExit(f"usage: python {script} RECIPE.yaml [key=value ...]   (any family: the recipe's `drafter`)")
     recipe = load_recipe(argv, default)
-    summary = train(recipe) if recipe.stages is None else train_stages(argv, recipe, default)
+    try:
+        summary = train(recipe) if recipe.stages is None else train_stages(argv, recipe, default)
+    except Finished as done:  # run again for its measure (one that stopped there): nothing to train, measure it
+        if recipe.measure is None:
+            raise
+        print(f"{recipe.drafter}: {recipe.output_dir} finished training at this recipe's last step; measuring "
+              f"its checkpoint-final ({done})")
+        summary = None
     if recipe.measure is not None and os.environ.get("RANK", "0") == "0":
         if summary is not None:  # its target and drafter go before the decoder loads them again
             summary.target = summary.drafter = None

@@ -123,6 +123,11 @@ def save_resumable(accelerator, path: Path, step: int, position: Position, token
         save_checkpoint(path, write_more=write_position, tmp=tmp, **checkpoint)
 
 
+class Finished(RecipeError):
+    """The run to resume already ended at this recipe's last step: nothing to train (a `measure:` section still
+    runs: drafters.training.families.train_main)."""
+
+
 class DiskFull(UserError):
     """The disk filled while a checkpoint was written; nothing is half-written, the message says what resumes."""
 
@@ -437,7 +442,7 @@ def load_run_state(accelerator, path: Path, total_steps: int) -> tuple[int, Posi
         raise RecipeError(f"resume_from={path}: the checkpoint is at step {meta['step']}, past this run's last step "
                           f"{total_steps} (max_steps / epochs); raise max_steps or resume an earlier checkpoint")
     if meta["step"] == total_steps and path.name == "checkpoint-final":  # resumed, it would only be saved again
-        raise RecipeError(f"resume_from={path}: the run finished at step {total_steps}, this run's last step "
+        raise Finished(f"resume_from={path}: the run finished at step {total_steps}, this run's last step "
                           "(max_steps / epochs), so there is nothing to continue; raise max_steps to train it further")
     if meta["num_processes"] != accelerator.num_processes:
         raise RecipeError(f"resume_from={path}: saved by {meta['num_processes']} processes, resumed with "
