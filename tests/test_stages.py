@@ -152,6 +152,29 @@ def test_a_stage_with_features_make_makes_its_store_and_trains_as_from_a_store_m
     assert eagle.main([str(staged_recipe(tmp_path, made)), f"output_dir={out}"]) is None
 
 
+@pytest.mark.parametrize("make", [False, True])
+def test_a_stage_whose_store_index_is_not_json_is_refused_naming_it_before_any_stage_trains(tmp_path, make):
+    # one reader (features.read_index) for the store, the stages' check and features.make: a damaged index is
+    # named, never taken for a missing store that features.make would silently write over
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "index.json").write_text('{"complete": tr')
+    recipe = staged_recipe(tmp_path, broken, features={"dir": str(broken), "make": make})
+    with pytest.raises(RecipeError, match=r"^stage 2 \(second\) reads features.dir=\S+broken: \S+index.json: not "
+                                          r"valid JSON .*delete \S+broken and recompute the features"):
+        eagle.main([str(recipe), f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run" / "stage-1-first").exists()
+    assert (broken / "index.json").read_text() == '{"complete": tr'
+
+
+def test_features_make_with_split_target_is_refused_naming_features_make(tmp_path):
+    with pytest.raises(RecipeError, match=r"^eagle3: features.make: split_target=true is for online training; .*set "
+                                          r"split_target=false"):
+        eagle.main([RECIPE, "max_steps=1", "split_target=true", f"features.dir={tmp_path / 'made'}",
+                    "features.make=true", f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "made").exists()  # refused before the target loads or a shard is written
+
+
 def test_a_stage_whose_store_was_made_from_another_data_file_is_refused(tmp_path, store):
     other = tmp_path / "other.jsonl"
     other.write_text("".join(Path(DATA).read_text().splitlines(keepends=True)[1:]))  # another file: a row fewer

@@ -194,7 +194,7 @@ def write_features(directory, target, examples: list[Example], header: dict, *, 
             path.unlink()
         say(storage_report(index))
     processes.barrier()  # index.json is final
-    return index if rank == 0 else _read_index(directory)
+    return index if rank == 0 else read_index(directory)
 
 
 def _ranked(say, rank: int, line: str) -> None:
@@ -266,7 +266,7 @@ def shard_problem(directory: Path, name: str, entry: dict, checksum: bool = True
 
 
 def _resumable_index(directory: Path, header: dict, examples: list[Example], update: bool, say) -> dict:
-    index = _read_index(directory)
+    index = read_index(directory)
     if index is None:
         return _merge_rank_indexes(directory, {**header, "complete": False, "shards": {}})
     differs = [k for k in ("format", "dtype", "shard_rows", "rows", "tokens") if index.get(k) != header[k]]
@@ -327,7 +327,8 @@ def stored_examples(path: Path) -> list[tuple[tuple[int, int], list[int], list[i
     return [((row, turn), ids[a:b], masks[a:b], (a, b)) for row, turn, a, b in zip(rows, turns, offsets, offsets[1:])]
 
 
-def _read_index(directory: Path) -> dict | None:
+def read_index(directory: Path) -> dict | None:
+    """directory's index.json, None where there is none; one that is not JSON is refused naming the file."""
     path = directory / INDEX
     if not path.is_file():
         return None
@@ -378,7 +379,7 @@ class FeatureStore:
     @classmethod
     def open(cls, directory) -> "FeatureStore":
         directory = Path(directory)
-        index = _read_index(directory)
+        index = read_index(directory)
         if index is None:
             raise FeatureStoreError(f"features.dir={directory}: no {INDEX}; write the features first with "
                                     f"python train/features.py RECIPE features.dir={directory} (same recipe)")

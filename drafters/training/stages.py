@@ -33,6 +33,7 @@ import yaml
 
 from drafters.checkpoint import damage
 from drafters.files import data_sha256
+from drafters.training.features import FeatureStoreError, read_index
 from drafters.training.recipe import RecipeError
 
 # what the chain of stages sets in each stage's recipe: a stage that sets one is refused
@@ -154,11 +155,10 @@ def missing_input(argv: list[str], stage: Stage, recipe, offline: bool) -> str |
     directory = recipe.features.dir if offline else None
     if not directory:
         return None
-    index_path = Path(directory) / "index.json"
     try:
-        index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    except (OSError, ValueError):
-        index = None
+        index = read_index(Path(directory))
+    except FeatureStoreError as err:
+        return f"{stage.label} reads features.dir={directory}: {err}"
     if recipe.features.make and not (index or {}).get("complete"):
         return None  # the stage makes its store when its turn comes (drafters.training.families.train)
     if index is None:

@@ -5,7 +5,6 @@ The store itself (format, resume, update, reading) is drafters.training.features
 into the call: the target at the recipe's dtype, the recipe's examples, the family's header.
 """
 
-import json
 from pathlib import Path
 
 import torch
@@ -14,16 +13,14 @@ from drafters.files import check_writable
 from drafters.targets import load_target
 from drafters.training.batches import max_length_for
 from drafters.training.data import build_examples
-from drafters.training.features import Processes, features_header, write_features
+from drafters.training.features import Processes, features_header, read_index, write_features
 from drafters.training.recipe import RecipeError
 
 
 def store_finished(directory: str) -> bool:
-    """features.dir holds a store whose every shard was written (index.json says complete)."""
-    try:
-        return bool(json.loads((Path(directory) / "index.json").read_text()).get("complete"))
-    except (OSError, ValueError):
-        return False
+    """features.dir holds a store whose every shard was written (index.json says complete); an index that is not
+    JSON is refused naming it (drafters.training.features.read_index)."""
+    return bool((read_index(Path(directory)) or {}).get("complete"))
 
 
 def make_store(recipe, family, where: str = "train/features.py") -> dict:
@@ -36,9 +33,9 @@ def make_store(recipe, family, where: str = "train/features.py") -> dict:
         raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/train.py streams from it when the recipe sets it)")
     if recipe.split_target:
-        raise RecipeError("split_target=true is for training: train/features.py gives each process its own shards "
-                          "and the whole target; set split_target=false here (the store then trains a run that "
-                          "loads no decoder layer at all)")
+        raise RecipeError(f"{where}: split_target=true is for online training; a store is written by processes that "
+                          "each hold the whole target, and a run from it loads none of the target's decoder layers: "
+                          "set split_target=false")
     check_writable(recipe.features.dir, "features.dir=", directory=True)  # before the target loads
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
