@@ -21,20 +21,18 @@ so drafters trained by different trainers are compared on the same rows, without
 import argparse
 import json
 import sys
+from functools import partial
 
 import torch
 
-from drafters.acceptance import chain_tau
 from drafters.decode.proposers.loading import load_proposer
 from drafters.decode.tree import parse_tree_spec
 from drafters.errors import UserError
 from drafters.files import write_text_atomic
-from drafters.layers import ttt_label_mask
 from drafters.targets import FrozenHead, load_target
 from drafters.training.batches import pad_id
 from drafters.training.data import build_examples, collate
-from drafters.training.eagle3 import TTTOptions, target_inputs, ttt_loss
-from drafters.training.loop import FeatureBatch
+from drafters.training.eagle3 import TTTOptions, heldout_accuracy, target_inputs
 
 
 def parse_args(argv):
@@ -62,22 +60,16 @@ def row_set(spec: str) -> set[int]:
     raise UserError(f"--rows {spec!r}: want A:B with 0 <= A < B (the data rows [A, B)) or a list I,J,K")
 
 
-@torch.no_grad()
 def heldout(target, drafter, embed, examples, steps: int, batch_size: int, pad_id: int) -> dict:
+    """drafters.training.eagle3.heldout_accuracy (training's held-out scoring) on the target's online features of
+    `examples`, batch_size rows at a time, without autocast."""
     head = FrozenHead.from_target(target, "normed")
-    dtype, device = drafter.fc.weight.dtype, target.device
-    correct, counted, supervised = (torch.zeros(steps, dtype=torch.float64) for _ in range(3))
-    for start in range(0, len(examples), batch_size):
-        batch = {k: v.to(device) for k, v in collate(examples[start:start + batch_size], pad_id).items()}
-        features, labels = target_inputs(target, head, drafter.config.aux_layers, batch, dtype=dtype)
-        out = ttt_loss(drafter, FeatureBatch(features, batch["input_ids"], labels, batch["loss_mask"], embed),
-                       TTTOptions(steps=steps))
-        correct += (out.step_accuracies * out.step_counts).double().cpu()
-        counted += out.step_counts.double().cpu()
-        supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)]).double().cpu()
-    accuracy = (correct / supervised.clamp(min=1)).tolist()
-    return {"step_acc": accuracy, "step_acc_in_vocab": (correct / counted.clamp(min=1)).tolist(),
-            "tau_pred": chain_tau(accuracy), "supervised": int(supervised[0])}
+    dtype = drafter.fc.weight.dtype
+    batches = (collate(examples[start:start + batch_size], pad_id) for start in range(0, len(examples), batch_size))
+    inputs = partial(target_inputs, target, head, drafter.config.aux_layers, dtype=dtype)
+    result = heldout_accuracy(drafter, inputs, embed, batches, TTTOptions(steps=steps), target.device)
+    del result["loss"]  # the recipe's loss options are not known here: only the accuracies are comparable
+    return result
 
 
 def main(argv=None) -> dict:

@@ -5,6 +5,7 @@ inputs and draft vocabulary (their entries in drafters.training.families name th
 own recipe and objective are in its own module.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import ClassVar, Literal
@@ -337,36 +338,45 @@ def stored_inputs(head: FrozenHead, batch: dict, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], recipe: Eagle3Recipe,
-                    accelerator) -> dict:
-    """Per TTT step k (k = 1 .. K, step k drafts the k-th token of a chain):
+def heldout_accuracy(drafter: Eagle3Drafter, inputs, embed, batches, options: TTTOptions, device,
+                     autocast=nullcontext) -> dict:
+    """Per TTT step k (k = 1 .. K = options.steps, step k drafts the k-th token of a chain):
         acc_k          = correct top-1 / supervised positions (target argmax outside the draft vocab
                          counts as a miss: the drafter can never propose it)
         acc_in_vocab_k = correct top-1 / supervised positions whose target argmax is in the vocab
         tau_pred       = 1 + sum_{k=1..K} prod_{j<=k} acc_j
     TTT step k is teacher-forced on the true tokens but on the drafter's own hidden states, so acc_k
     estimates P(draft k accepted | drafts 1..k-1 accepted) and tau_pred the mean accepted length
-    (bonus token included) of a greedy chain of K drafts. It ignores trees and sampling."""
-    drafter.eval()
-    o = recipe.eagle3
-    steps = o.eval_ttt_steps or o.ttt_steps
-    options = replace(TTTOptions.of(o), steps=steps, recompute=False)  # no backward here for recompute to spare
-    correct, counted, supervised = (torch.zeros(steps, device=accelerator.device) for _ in range(3))
-    loss = torch.zeros((), device=accelerator.device)
+    (bonus token included) of a greedy chain of K drafts. It ignores trees and sampling.
+    `inputs(batch) -> (features, target logits)`: online (the target's forward) or from a store; `loss` is the
+    mean of ttt_loss over the batches. Training's evaluation and eval/heldout.py both score this way."""
+    steps = options.steps
+    correct, counted, supervised = (torch.zeros(steps, device=device) for _ in range(3))  # counts: exact < 2^24
+    loss, n = torch.zeros((), device=device), 0
     for batch in batches:
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        features, target_logits = inputs(batch)  # online or offline, as in training
-        with accelerator.autocast():
+        batch = {k: v.to(device) for k, v in batch.items()}
+        features, target_logits = inputs(batch)
+        with autocast():
             out = ttt_loss(drafter, FeatureBatch(features, batch["input_ids"], target_logits, batch["loss_mask"],
                                                  embed), options)
         correct += out.step_accuracies * out.step_counts
         counted += out.step_counts
         supervised += torch.stack([ttt_label_mask(batch["loss_mask"], k).sum() for k in range(steps)])
-        loss += out.loss
+        loss, n = loss + out.loss, n + 1
     accuracy = (correct / supervised.clamp(min=1)).tolist()
-    return {"loss": (loss / len(batches)).item(), "step_acc": accuracy,
+    return {"loss": (loss / max(n, 1)).item(), "step_acc": accuracy,
             "step_acc_in_vocab": (correct / counted.clamp(min=1)).tolist(),
             "supervised": int(supervised[0]), "tau_pred": chain_tau(accuracy)}
+
+
+def evaluate_eagle3(drafter: Eagle3Drafter, inputs, embed, batches: list[dict], recipe: Eagle3Recipe,
+                    accelerator) -> dict:
+    """heldout_accuracy over the recipe's held-out batches at eval_ttt_steps (or ttt_steps), under the run's
+    autocast: the figures every EAGLE-3 run prints and writes to eval.jsonl."""
+    drafter.eval()
+    o = recipe.eagle3
+    options = replace(TTTOptions.of(o), steps=o.eval_ttt_steps or o.ttt_steps, recompute=False)  # no backward
+    return heldout_accuracy(drafter, inputs, embed, batches, options, accelerator.device, accelerator.autocast)
 
 
 def format_eval(result: dict) -> str:
