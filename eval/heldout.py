@@ -7,8 +7,8 @@ The drafter loads as our decoder loads it (drafters.decode.proposers.loading: a 
 export, speculators' or SpecForge's included). The rows [A, B) (or I,J,K) of --data (data row indices, rendered with the
 target's chat template and loss mask as training renders them, cut at --max-length) go through the frozen target
 (online: no feature store) and the drafter's training-time test over --steps steps, teacher-forced on the true
-tokens and on the drafter's own hidden states, exactly as training's held-out evaluation
-(drafters.training.eagle3.evaluate_eagle3):
+tokens and on the drafter's own hidden states, by training's own held-out loop
+(drafters.training.eagle3.heldout_accuracy, which evaluate_eagle3 runs):
 
     acc_k           correct top-1 at step k / supervised positions (a target argmax outside the draft vocabulary is a
                     miss: the drafter can never propose it)

@@ -256,7 +256,7 @@ def save_target(name: str, out: Path) -> Path:
 def capture(args, out: Path) -> Path:
     """Our features store over the first --rows rows (train/features.py resumes a partial one)."""
     store = out / "store"
-    if (store / "index.json").exists() and json.loads((store / "index.json").read_text()).get("complete"):
+    if (store_index(store) or {}).get("complete"):
         return store
     command = [sys.executable, "train/features.py", args.recipe, f"target={args.target}", f"data.path={args.data}",
                f"data.limit={args.rows}", "data.eval_rows=0", f"data.max_length={MATCHED['max_length']}",
@@ -269,13 +269,24 @@ def capture(args, out: Path) -> Path:
     return store
 
 
+def store_index(store: Path) -> dict | None:
+    """The capture's index.json (drafters.training.features.read_index), None before the capture; a damaged one
+    stops the harness in one sentence naming it."""
+    from drafters.training.features import FeatureStoreError, read_index
+
+    try:
+        return read_index(store)
+    except FeatureStoreError as err:
+        raise SystemExit(f"peers: {err}, then run this command again") from None
+
+
 def training_rows(store: Path) -> tuple[list[int], int, int]:
     """The rows every trainer trains on: all of the store's (no held-out rows: the comparison's measure of quality
     is the MT-bench evaluation, and no trainer spends CPU time on an evaluation the others skip) -> (data rows,
     tokens, supervised tokens)."""
     from safetensors import safe_open
 
-    index = json.loads((store / "index.json").read_text())
+    index = store_index(store)
     rows, tokens, supervised = [], 0, 0
     for name in sorted(index["shards"]):
         with safe_open(store / name, framework="pt") as f:

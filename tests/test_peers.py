@@ -239,3 +239,15 @@ def test_specforge_checkpoints_are_its_complete_step_directories(tmp_path):
     (out / "peer.json").write_text(json.dumps({"steps": 160}))
     assert specforge.saved(out) == [(0.25, out / "train" / "specforge-step40"),
                                     (0.75, out / "train" / "specforge-step120")]
+
+
+def test_a_damaged_capture_index_stops_the_harness_in_one_sentence(tmp_path):
+    # the harness reads its capture's index.json through the store's own reader: damaged, it is named before any
+    # trainer runs, not taken for a missing capture nor left as a JSONDecodeError
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "index.json").write_text('{"complete": tr')
+    with pytest.raises(SystemExit, match=r"^peers: \S+index.json: not valid JSON .*; delete \S+store and recompute "
+                                         r"the features, then run this command again"):
+        PEERS.capture(None, tmp_path)
+    with pytest.raises(SystemExit, match=r"^peers: \S+index.json: not valid JSON"):
+        PEERS.training_rows(tmp_path / "store")

@@ -152,19 +152,37 @@ def test_a_stage_with_features_make_makes_its_store_and_trains_as_from_a_store_m
     assert eagle.main([str(staged_recipe(tmp_path, made)), f"output_dir={out}"]) is None
 
 
+DAMAGED_INDEX = [(b'{"complete": tr', r"not valid JSON"), (b"\xff\xfe{}", r"not valid JSON"),
+                 (b"null", r"holds a JSON NoneType, not a store's index"), (b"[1]", r"holds a JSON list")]
+
+
 @pytest.mark.parametrize("make", [False, True])
-def test_a_stage_whose_store_index_is_not_json_is_refused_naming_it_before_any_stage_trains(tmp_path, make):
+@pytest.mark.parametrize("damaged, why", DAMAGED_INDEX)
+def test_a_stage_whose_store_index_is_damaged_is_refused_naming_it_before_any_stage_trains(tmp_path, make,
+                                                                                            damaged, why):
     # one reader (features.read_index) for the store, the stages' check and features.make: a damaged index is
-    # named, never taken for a missing store that features.make would silently write over
+    # named, never taken for a missing store that features.make would write over, nor a traceback
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "index.json").write_text('{"complete": tr')
+    (broken / "index.json").write_bytes(damaged)
     recipe = staged_recipe(tmp_path, broken, features={"dir": str(broken), "make": make})
-    with pytest.raises(RecipeError, match=r"^stage 2 \(second\) reads features.dir=\S+broken: \S+index.json: not "
-                                          r"valid JSON .*delete \S+broken and recompute the features"):
+    remake = r"run this command again" if make else r"make it with: python train/features.py "
+    with pytest.raises(RecipeError, match=rf"^stage 2 \(second\) reads features.dir=\S+broken: \S+index.json: {why}"
+                                          rf".*delete \S+broken and recompute the features; then {remake}"):
         eagle.main([str(recipe), f"output_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run" / "stage-1-first").exists()
-    assert (broken / "index.json").read_text() == '{"complete": tr'
+    assert (broken / "index.json").read_bytes() == damaged
+
+
+@pytest.mark.parametrize("damaged, why", DAMAGED_INDEX)
+def test_features_make_over_a_damaged_index_is_refused_before_the_target_loads(tmp_path, damaged, why):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "index.json").write_bytes(damaged)
+    with pytest.raises(RecipeError, match=rf"^\S+index.json: {why}"):
+        eagle.main([RECIPE, "max_steps=1", f"features.dir={broken}", "features.make=true",
+                    f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists() and sorted(p.name for p in broken.iterdir()) == ["index.json"]
 
 
 def test_features_make_with_split_target_is_refused_naming_features_make(tmp_path):

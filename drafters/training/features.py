@@ -328,15 +328,22 @@ def stored_examples(path: Path) -> list[tuple[tuple[int, int], list[int], list[i
 
 
 def read_index(directory: Path) -> dict | None:
-    """directory's index.json, None where there is none; one that is not JSON is refused naming the file."""
+    """directory's index.json, None where there is none; one that cannot be read, is not JSON or is not a JSON
+    object is refused naming the file (the store, the stages' input check and features.make all read it here)."""
     path = directory / INDEX
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        index = json.loads(path.read_text())
+    except OSError as err:
+        raise FeatureStoreError(f"{path}: cannot be read ({err.strerror}); check its permissions") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise FeatureStoreError(f"{path}: not valid JSON ({err}); delete {directory} and recompute the "
                                 "features") from None
+    if not isinstance(index, dict):
+        raise FeatureStoreError(f"{path}: holds a JSON {type(index).__name__}, not a store's index; delete "
+                                f"{directory} and recompute the features")
+    return index
 
 
 def _write_index(directory: Path, index: dict) -> None:

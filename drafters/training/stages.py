@@ -13,8 +13,8 @@ drafter); stage i > 1 from stage i-1's checkpoint-final, as init_from does: its 
 optimizer, schedule and step. Every stage runs with resume_from=latest, so the same command run again skips the
 finished stages (checkpoint-final written) and continues an interrupted one from its newest checkpoint.
 output_dir/checkpoint-final is then a link to the last stage's. A stage's input is checked before any stage trains:
-a features.dir with no finished store (unless features.make: the stage makes it when its turn comes), or a store made
-from another data file, is refused naming the stage and the command that makes the store.
+a features.dir with no finished store (unless features.make: the stage makes it when its turn comes), a damaged index,
+or a store made from another data file, is refused naming the stage and the command that makes the store.
 
 Knows nothing about drafters, targets or the loop: drafters.training.families.train_stages runs what this plans.
 """
@@ -158,7 +158,9 @@ def missing_input(argv: list[str], stage: Stage, recipe, offline: bool) -> str |
     try:
         index = read_index(Path(directory))
     except FeatureStoreError as err:
-        return f"{stage.label} reads features.dir={directory}: {err}"
+        remake = ("then run this command again (features.make makes it)" if recipe.features.make else
+                  f"then make it with: {features_command(argv, stage)}")
+        return f"{stage.label} reads features.dir={directory}: {err}; {remake}"
     if recipe.features.make and not (index or {}).get("complete"):
         return None  # the stage makes its store when its turn comes (drafters.training.families.train)
     if index is None:
