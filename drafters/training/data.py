@@ -504,7 +504,8 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], *, max_leng
     if tokenizer.chat_template is None:
         raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no chat template, so chat "
                         "conversations cannot be rendered: use a plain-text dataset ({'text': ...} "
-                        "rows, fmt=text) or set tokenizer.chat_template")
+                        "rows, fmt=text), or give the target a chat template (python train/chat_target.py TARGET DIR) "
+                        "and name DIR as the target")
     _check_has_assistant(messages)
     _check_tool_support(tokenizer, messages)
     if messages[0]["role"] == "assistant":

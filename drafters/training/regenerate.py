@@ -130,8 +130,9 @@ def regenerate(recipe: Recipe, stats: Stats) -> Stats:
 
     target = load_target(recipe.target, dtype=recipe.dtype)
     if target.tokenizer.chat_template is None:
-        raise DataError(f"target {target.name} has no chat template: regeneration answers chat "
-                        "turns, so use an instruct target (base models train on fmt=text data)")
+        raise DataError(f"target {target.name} has no chat template: regeneration answers chat turns, so give it "
+                        f"one first (python train/chat_target.py {target.name} DIR: the plain User:/Assistant: "
+                        "text our benches prompt base models with) and name DIR as the target")
     conversations, report = load_conversations(recipe.data, split=recipe.split, fmt=recipe.fmt,
                                                limit=recipe.limit, require_assistant=False)
     print(report.summary())
