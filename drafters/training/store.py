@@ -30,7 +30,7 @@ def make_store(recipe, family, where: str = "train/features.py") -> dict:
         raise RecipeError(f"{where}: drafter={recipe.drafter} trains online only (a target forward per batch); "
                           "there are no features to store for it")
     if not recipe.features.dir:
-        raise RecipeError("features.dir is not set: pass features.dir=DIR (where to write the features; "
+        raise RecipeError(f"{where}: features.dir is not set: pass features.dir=DIR (where to write the features; "
                           "train/train.py streams from it when the recipe sets it)")
     if recipe.split_target:
         raise RecipeError(f"{where}: split_target=true is for online training; a store is written by processes that "
