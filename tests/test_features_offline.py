@@ -280,7 +280,7 @@ def test_missing_incomplete_or_mismatched_stores_are_refused(scripts, written, t
 
 
 def test_features_dir_is_required(scripts, tmp_path):
-    with pytest.raises(RecipeError, match="^train/features.py: features.dir is not set"):
+    with pytest.raises(RecipeError, match=r"eagle1_tiny\.yaml: features\.dir is not set"):
         scripts[0].main([RECIPE, f"data.path={DATA}"])
 
 
