@@ -575,18 +575,23 @@ def plain_chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
     probe = tokenizer("x", add_special_tokens=True)["input_ids"]
     bos = "{{ bos_token }}" if tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id] else ""
     return (bos + "{% for m in messages %}"
-            "{% if m['role'] == 'assistant' %}Assistant:{% generation %}{{ m['content'] }}{% endgeneration %}"
-            "{% else %}{{ m['role'] | capitalize }}: {{ m['content'] }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
+            "{% if m['role'] == 'assistant' %}Assistant:{% generation %}{{ m['content'] }}{{ '\\n\\n' }}"
+            "{% endgeneration %}{% else %}{{ m['role'] | capitalize }}: {{ m['content'] }}{{ '\\n\\n' }}{% endif %}"
+            "{% endfor %}"
             "{% if add_generation_prompt %}" + PLAIN_GENERATION_PROMPT + "{% endif %}")
 
 
 def save_with_chat_template(target: "Target", template: str, out: Path) -> None:
     """The target as a local Hugging Face directory whose tokenizer carries `template` (load_target(str(out)) reads
-    it back), written whole or not at all."""
+    it back), written whole or not at all; an existing `out` is refused, never overwritten."""
+    if out.exists():
+        raise TargetError(f"{out} already exists: remove it, or name another directory")
     tokenizer = target.tokenizer
     previous, tokenizer.chat_template = tokenizer.chat_template, template
     try:
         write_cache(target.model, tokenizer, out)
+    except OSError as err:
+        raise TargetError(f"cannot write {out}: {err}") from None
     finally:
         tokenizer.chat_template = previous
 

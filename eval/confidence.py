@@ -17,7 +17,7 @@ import sys
 import torch
 
 from drafters.errors import UserError
-from drafters.files import write_text_atomic
+from drafters.files import check_writable, write_text_atomic
 from drafters.targets import load_target
 from drafters.training.data import build_examples
 
@@ -29,7 +29,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True, help="the target's answers: a conversation file training reads")
-    p.add_argument("--limit", type=int, default=100, help="the first N rows")
+    p.add_argument("--limit", type=int, default=100, help="the first N conversations of --data")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
@@ -58,9 +58,10 @@ def confidence(target, examples) -> dict:
         trained = mask.nonzero().flatten().tolist()
         start = None
         for t in trained:
-            if t == 0:
+            if start is None or t == 0 or not mask[t - 1]:  # an answer begins after an untrained token (or at 0)
+                start = t
+            if t == 0:  # nothing predicts the first token
                 continue
-            start = t if start is None or not mask[t - 1] else start  # an answer begins after an untrained token
             band = sum(float(p[t - 1]) >= b for b in BANDS)
             for key in (position_range(t - start), "all"):
                 counts = tally.setdefault(key, [0, [0, 0, 0], 0.0])
@@ -74,25 +75,25 @@ def confidence(target, examples) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.limit < 1:
-        raise SystemExit(f"--limit {args.limit} must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
+        if args.limit < 1:
+            raise UserError(f"--limit {args.limit} must be >= 1")
+        if args.json:
+            check_writable(args.json, "--json", directory=False)  # before the target runs
+        if args.threads:
+            torch.set_num_threads(args.threads)
         target = load_target(args.target, dtype=args.dtype)
         examples, report = build_examples(target.tokenizer, args.data, max_length=args.max_length, limit=args.limit)
     except UserError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise SystemExit(f"confidence: {err}") from None
     print(report.summary())
-    if not examples:
-        raise SystemExit(f"error: {args.data}: no usable rows among the first {args.limit}")
     table = confidence(target, examples)
     print(f"{target.name}, {len(examples)} rows of {args.data}: the target's probability p of its own argmax")
     print(f"{'answer tokens':>14} {'tokens':>7} {'p<0.5':>6} {'0.5-0.9':>8} {'p>=0.9':>7} {'mean p':>7}")
     for key, row in table.items():
         low, mid, high = row["share"]
         print(f"{key:>14} {row['tokens']:>7} {low:>6.3f} {mid:>8.3f} {high:>7.3f} {row['mean_p']:>7.3f}")
-    result = {"target": target.name, "data": args.data, "rows": len(examples), "bands": list(BANDS), "table": table}
+    result = {"target": target.name, "data": args.data, "examples": len(examples), "bands": list(BANDS), "table": table}
     if args.json:
         write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
     return result

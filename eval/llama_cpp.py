@@ -49,7 +49,7 @@ from drafters.decode.tree import parse_tree_spec
 from drafters.engines.llama_cpp import OUTTYPES, LlamaCppError, LlamaServer, bench_forward_ms, check_pair
 from drafters.export.common import ExportError
 from drafters.export.dispatch import export_checkpoint
-from drafters.export.llama_cpp import LLAMA_CPP_FAMILIES, MANIFEST, TARGET_WEIGHTS, target_gguf
+from drafters.export.llama_cpp import LLAMA_CPP_FAMILIES, MANIFEST, TARGET_WEIGHTS, gemma3_refusal, target_gguf
 from drafters.files import check_writable, drafter_sha256
 from drafters.targets import TargetError, load_target
 
@@ -119,6 +119,8 @@ def check_args(args) -> tuple[list[str], list[float], list[str]]:
 def run(args) -> int:
     dtypes, p_mins, ngrams = check_args(args)
     target = load_target(args.target)
+    if args.drafter and gemma3_refusal(target):  # before minutes of converting the target for nothing
+        raise ValueError(gemma3_refusal(target)[0] + ": --drafter cannot be served here (plain and --ngram can)")
     target_file = target_gguf(target, args.weights)
     if args.print_target_gguf:
         print(target_file)

@@ -75,3 +75,31 @@ def test_check_refuses_a_template_that_is_not_the_bench_prompt():
     wrong = plain_chat_template(tokenizer).replace("{{ bos_token }}", "")
     with pytest.raises(UserError, match="the plain template renders"):
         chat_target.check_plain(tokenizer, wrong)
+
+
+@pytest.mark.parametrize("text, refusal", [
+    ("   \n", "is empty"),
+    ("{% for m in messages %}{{ m['content'] }", "training cannot use it"),  # not Jinja
+    ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}",
+     "no answer token is trained"),
+])
+def test_cli_refuses_a_template_training_cannot_use(tmp_path, text, refusal):
+    template = tmp_path / "t.jinja"
+    template.write_text(text)
+    with pytest.raises(UserError, match=refusal):
+        chat_target.main(["tiny-random-llama", str(tmp_path / "out"), "--template", str(template)])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_template_file_that_training_can_use_is_written(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(build_tiny_tokenizer().chat_template)  # ChatML
+    chat_target.main(["tiny-random-llama", str(tmp_path / "out"), "--template", str(template)])
+    assert load_target(str(tmp_path / "out")).tokenizer.chat_template == template.read_text()
+
+
+def test_llama_cpp_refuses_a_drafter_on_gemma3_before_converting_the_target(tmp_path, monkeypatch, capsys):
+    llama_cpp = load_script("eval/llama_cpp.py")
+    monkeypatch.setattr(llama_cpp, "target_gguf", lambda *a, **k: pytest.fail("the target was converted"))
+    assert llama_cpp.main(["--target", "tiny-random-gemma3", "--drafter", str(tmp_path / "drafter")]) == 1
+    assert "Gemma-3" in capsys.readouterr().err

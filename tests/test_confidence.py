@@ -37,5 +37,12 @@ def test_positions_bands_and_probabilities_are_the_targets(tmp_path):
 def test_a_file_without_usable_rows_is_one_sentence(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text(json.dumps({"conversations": [{"role": "user", "content": "q"}]}) + "\n")
-    with pytest.raises(SystemExit, match="no usable rows|no assistant"):
+    with pytest.raises(SystemExit, match=r"(?s)^confidence: no usable rows.*empty\.jsonl:1: roles are \[user\]"):
         confidence.main(["--target", "tiny-random-llama", "--data", str(data)])
+
+
+def test_text_rows_count_positions_from_their_first_token(tmp_path):
+    data = tmp_path / "text.jsonl"  # fmt=text: every token trained, the first predicted by nothing
+    data.write_text(json.dumps({"text": "x" * 33}) + "\n")
+    table = confidence.main(["--target", "tiny-random-llama", "--data", str(data)])["table"]
+    assert table["1-32"]["tokens"] == 31 and table["33-64"]["tokens"] == 1  # tokens 1..32 at positions 1..32

@@ -96,7 +96,7 @@ def refusals(family: str, config: dict, target) -> list[str]:
                         "(--spec-type draft-eagle3 / draft-dflash / draft-dspark); export this checkpoint with "
                         "--format native" + (" or vllm" if family == "peagle" else ""))
         return problems
-    problems += _gemma3(target)
+    problems += gemma3_refusal(target)
     act = config.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act {act!r}: llama.cpp's {family} graph always applies SiLU in the MLP, so it "
@@ -121,7 +121,7 @@ def refusals(family: str, config: dict, target) -> list[str]:
     return problems
 
 
-def _gemma3(target) -> list[str]:
+def gemma3_refusal(target) -> list[str]:
     model_type = str(getattr(target.config, "model_type", ""))
     if not model_type.startswith("gemma3"):
         return []
