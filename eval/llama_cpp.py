@@ -119,8 +119,9 @@ def check_args(args) -> tuple[list[str], list[float], list[str]]:
 def run(args) -> int:
     dtypes, p_mins, ngrams = check_args(args)
     target = load_target(args.target)
-    if args.drafter and gemma3_refusal(target):  # before minutes of converting the target for nothing
-        raise ValueError(gemma3_refusal(target)[0] + ": --drafter cannot be served here (plain and --ngram can)")
+    unservable = gemma3_refusal(target) if args.drafter else []
+    if unservable:  # before minutes of converting the target for nothing
+        raise ValueError(unservable[0] + ": --drafter cannot be served here (plain and --ngram can)")
     target_file = target_gguf(target, args.weights)
     if args.print_target_gguf:
         print(target_file)
